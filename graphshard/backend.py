@@ -1,0 +1,131 @@
+"""The `graphshard` torch.compile backend.
+
+    Dynamo graph --merge_duplicate_unshards--> AOTAutograd joint graph
+      --tag_reshard_policy + min-cut partition--> forward / backward graphs
+      --PIPELINE (insert_collectives, bucket, reorder)--> Inductor (compile_fx_inner)
+
+The pipeline is data: `PIPELINE` below is the single list of stages, and `graphshard dump
+--stage` takes its stage names from it.
+"""
+
+from __future__ import annotations
+
+import copy
+import functools
+from dataclasses import dataclass
+from typing import Any, Callable, Sequence
+
+import torch
+import torch.fx as fx
+from torch._dynamo.backends.common import aot_autograd
+from torch._functorch.aot_autograd import make_boxed_func
+
+from graphshard import ops  # noqa: F401  (registers torch.ops.graphshard.*)
+from graphshard.options import GraphshardOptions
+from passes.graph_utils import is_reduce_grad, is_unshard
+from passes.insert_collectives import insert_collectives
+from passes.merge_duplicate_unshards import merge_duplicate_unshards
+from passes.reshard_policy import tag_reshard_policy
+
+
+@dataclass(frozen=True)
+class PassContext:
+    """What a pass may know besides the graph."""
+
+    graph_kind: str  # "forward", "backward" or "inference"
+    options: GraphshardOptions
+
+
+@dataclass(frozen=True)
+class Stage:
+    name: str
+    run: Callable[[fx.GraphModule, PassContext], fx.GraphModule]
+    enabled: Callable[[GraphshardOptions], bool] = lambda options: True
+
+
+PIPELINE: tuple[Stage, ...] = (
+    Stage("lowered", insert_collectives),
+)
+STAGES: tuple[str, ...] = ("captured",) + tuple(stage.name for stage in PIPELINE)
+
+# Observer of each stage's graph: (graph_kind, stage_name, graph_module) -> None
+StageObserver = Callable[[str, str, fx.GraphModule], None]
+
+
+def has_markers(gm: fx.GraphModule) -> bool:
+    return any(is_unshard(node) or is_reduce_grad(node) for node in gm.graph.nodes)
+
+
+def run_pipeline(gm: fx.GraphModule, ctx: PassContext,
+                 observer: StageObserver | None = None) -> fx.GraphModule:
+    if observer:
+        observer(ctx.graph_kind, "captured", gm)
+    for stage in PIPELINE:
+        if stage.enabled(ctx.options):
+            gm = stage.run(gm, ctx)
+        if observer:
+            observer(ctx.graph_kind, stage.name, gm)
+    return gm
+
+
+def _partition(joint: fx.GraphModule, joint_inputs, **kwargs):
+    from torch._inductor.compile_fx import partition_fn
+
+    tag_reshard_policy(joint)
+    return partition_fn(joint, joint_inputs, **kwargs)
+
+
+class GraphshardCompiler:
+    """A Dynamo backend; `observer` sees every stage's graph (used by `graphshard dump`)."""
+
+    def __init__(self, options: GraphshardOptions, observer: StageObserver | None = None):
+        self.options = options
+        self.observer = observer
+
+    def _graph_compiler(self, graph_kind: str):
+        def compile_graph(gm: fx.GraphModule, example_inputs: Sequence[Any]):
+            gm = run_pipeline(gm, PassContext(graph_kind, self.options), self.observer)
+            if self.options.compiler == "eager":
+                return make_boxed_func(gm.forward)
+            from torch._inductor.compile_fx import compile_fx_inner
+
+            # Inductor mutates the graph it compiles; observers already hold their copies.
+            return compile_fx_inner(gm, example_inputs, is_backward=graph_kind == "backward",
+                                    is_inference=graph_kind == "inference")
+
+        return compile_graph
+
+    def __call__(self, gm: fx.GraphModule, example_inputs: Sequence[Any]):
+        if not has_markers(gm):
+            # Not sharded by graphshard: behave exactly like the backend we hand off to.
+            if self.options.compiler == "eager":
+                return gm.forward
+            from torch._inductor.compile_fx import compile_fx
+
+            return compile_fx(gm, example_inputs)
+        gm = merge_duplicate_unshards(gm)
+        from torch._inductor.decomposition import select_decomp_table
+        from torch._inductor.virtualized import V
+        from torch._guards import detect_fake_mode
+
+        backend = aot_autograd(
+            fw_compiler=self._graph_compiler("forward"),
+            bw_compiler=self._graph_compiler("backward"),
+            inference_compiler=self._graph_compiler("inference"),
+            partition_fn=_partition,
+            decompositions=select_decomp_table(),
+            keep_inference_input_mutations=True,
+        )
+        with V.set_fake_mode(detect_fake_mode(example_inputs)):
+            return backend(gm, example_inputs)
+
+
+def graphshard_backend(gm: fx.GraphModule, example_inputs: Sequence[Any],
+                       options: dict | None = None):
+    """Entry point of `torch.compile(model, backend="graphshard", options={...})`."""
+    return GraphshardCompiler(GraphshardOptions.from_dict(options))(gm, example_inputs)
+
+
+def snapshot(gm: fx.GraphModule) -> fx.GraphModule:
+    """A copy of a graph that later passes and Inductor cannot mutate."""
+    return copy.deepcopy(gm)

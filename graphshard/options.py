@@ -1,0 +1,52 @@
+"""Backend options: one frozen dataclass, validated once.
+
+    torch.compile(model, backend="graphshard", options={"bucket_mb": 25, "prefetch": 1})
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, fields
+from typing import Any, Mapping
+
+
+@dataclass(frozen=True)
+class GraphshardOptions:
+    bucket_mb: float = 64.0  # cap on one bucket's unsharded size; 0 turns bucketing off
+    reorder: bool = True  # prefetch all-gathers and delay reduce-scatter waits
+    prefetch: int = 1  # how many units ahead an all-gather may be issued
+    max_inflight_mb: float | None = None  # budget for prefetched unsharded bytes; None = no cap
+    compiler: str = "inductor"  # final compiler: "inductor", or "eager" (run the FX graph)
+
+    def __post_init__(self):
+        def check(ok: bool, message: str) -> None:
+            if not ok:
+                raise ValueError(f"graphshard option {message}")
+
+        check(isinstance(self.bucket_mb, (int, float)) and not isinstance(self.bucket_mb, bool)
+              and self.bucket_mb >= 0, f"bucket_mb must be a number >= 0, got {self.bucket_mb!r}")
+        check(isinstance(self.reorder, bool), f"reorder must be a bool, got {self.reorder!r}")
+        check(isinstance(self.prefetch, int) and not isinstance(self.prefetch, bool)
+              and self.prefetch >= 0, f"prefetch must be an int >= 0, got {self.prefetch!r}")
+        check(self.max_inflight_mb is None or (
+            isinstance(self.max_inflight_mb, (int, float)) and not isinstance(self.max_inflight_mb, bool)
+            and self.max_inflight_mb >= 0),
+            f"max_inflight_mb must be a number >= 0 or None, got {self.max_inflight_mb!r}")
+        check(self.compiler in ("inductor", "eager"),
+              f"compiler must be 'inductor' or 'eager', got {self.compiler!r}")
+
+    @classmethod
+    def from_dict(cls, options: Mapping[str, Any] | None) -> "GraphshardOptions":
+        if options is None:
+            return cls()
+        if isinstance(options, cls):
+            return options
+        valid = [f.name for f in fields(cls)]
+        unknown = sorted(set(options) - set(valid))
+        if unknown:
+            raise ValueError(
+                f"unknown graphshard option(s) {unknown}; valid options: {', '.join(valid)}"
+            )
+        return cls(**dict(options))
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)

@@ -1,0 +1,53 @@
+"""Sharding strategy and mixed-precision policy: small frozen value types, validated once."""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass
+
+import torch
+
+
+class ShardingStrategy(enum.Enum):
+    FULL_SHARD = "full_shard"  # ZeRO-3
+    SHARD_GRAD_OP = "shard_grad_op"  # ZeRO-2: gathered weights kept from forward to backward
+    NO_SHARD = "no_shard"  # DDP
+    HYBRID_SHARD = "hybrid_shard"  # ZeRO-3 inside a group, replicated across groups
+
+    @classmethod
+    def parse(cls, value: "str | ShardingStrategy") -> "ShardingStrategy":
+        if isinstance(value, cls):
+            return value
+        valid = [s.value for s in cls]
+        if not isinstance(value, str) or value.lower() not in valid:
+            raise ValueError(f"unknown sharding strategy {value!r}; valid: {', '.join(valid)}")
+        return cls(value.lower())
+
+    @property
+    def reshard_after_forward(self) -> bool:
+        """Whether backward gathers again (True) or reuses the forward's gathered weights."""
+        return self in (ShardingStrategy.FULL_SHARD, ShardingStrategy.HYBRID_SHARD)
+
+
+@dataclass(frozen=True)
+class MixedPrecisionPolicy:
+    """param_dtype: dtype of gathered parameters and compute (the cast happens before the
+    all-gather, so it moves fewer bytes). reduce_dtype: dtype of gradient reduction (default:
+    the gradient's dtype). Sharded parameters and optimizer state keep their own dtype."""
+
+    param_dtype: torch.dtype | None = None
+    reduce_dtype: torch.dtype | None = None
+
+    def __post_init__(self):
+        for field in ("param_dtype", "reduce_dtype"):
+            value = getattr(self, field)
+            if value is not None and not (isinstance(value, torch.dtype) and value.is_floating_point):
+                raise ValueError(f"{field} must be a floating torch.dtype or None, got {value!r}")
+
+
+def resolve_mixed_precision(policy: MixedPrecisionPolicy | None, param_dtype, reduce_dtype
+                            ) -> MixedPrecisionPolicy:
+    if policy is not None and (param_dtype is not None or reduce_dtype is not None):
+        raise ValueError("pass either mixed_precision=MixedPrecisionPolicy(...) or "
+                         "param_dtype/reduce_dtype, not both")
+    return policy or MixedPrecisionPolicy(param_dtype, reduce_dtype)

@@ -1,0 +1,225 @@
+"""`graphshard.shard`: turn every parameter of a model into a DTensor shard, in place.
+
+After sharding, `module._parameters[name]` holds an `nn.Parameter` wrapping a DTensor
+(Shard(0) on the shard mesh dimension), which is what optimizers, `clip_grad_norm_` and
+`torch.distributed.checkpoint` see. Reading `module.name` goes through a class-level property
+that returns `graphshard::unshard(local_shard)`: the full parameter, by an all-gather at run
+time eagerly, or by whatever the backend's passes make of the marker op under torch.compile.
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+from typing import Callable, Iterator
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.tensor import DTensor, Replicate, Shard
+
+from graphshard import ops  # noqa: F401  (registers torch.ops.graphshard.*)
+from graphshard.policy import MixedPrecisionPolicy, ShardingStrategy, resolve_mixed_precision
+
+SPECS_ATTR = "_graphshard_specs"
+STATE_ATTR = "_graphshard_state"
+
+
+@dataclass(frozen=True)
+class ParamShardSpec:
+    """Everything the marker ops need about one parameter, fixed at shard() time."""
+
+    name: str  # fully qualified name of the parameter's first registration
+    full_dim0: int
+    gather_group: str  # "" when the parameter is not sharded (gather is a no-op)
+    gather_size: int
+    reduce_groups: tuple[str, ...]  # shard group first, then replica groups
+    reduce_sizes: tuple[int, ...]
+    scatter: bool  # reduce-scatter on the first reduce group (else all-reduce)
+    reshard_after_forward: bool
+    compute_dtype: torch.dtype | None
+    reduce_dtype: torch.dtype | None
+
+
+@dataclass
+class ShardState:
+    """Per-model mutable switches (gradient sync for accumulation)."""
+
+    mesh: DeviceMesh
+    strategy: ShardingStrategy
+    mixed_precision: MixedPrecisionPolicy
+
+
+def unshard_param(param: nn.Parameter, spec: ParamShardSpec) -> torch.Tensor:
+    """The full parameter for compute: graphshard::unshard of the local shard."""
+    local = param.to_local()
+    return torch.ops.graphshard.unshard(
+        local, spec.full_dim0, spec.gather_group, spec.gather_size, spec.compute_dtype,
+        spec.reshard_after_forward, list(spec.reduce_groups), list(spec.reduce_sizes),
+        spec.scatter, spec.reduce_dtype, spec.name,
+    )
+
+
+def _param_property(name: str) -> property:
+    def get(module: nn.Module) -> torch.Tensor:
+        return unshard_param(module._parameters[name], getattr(module, SPECS_ATTR)[name])
+
+    return property(get, doc=f"full (unsharded) parameter {name!r}")
+
+
+@functools.lru_cache(maxsize=None)
+def _sharded_class(cls: type, param_names: tuple[str, ...]) -> type:
+    # Cached so all instances of one module type share one class: torch.compile then reuses
+    # one guard set and one compiled graph for identical blocks.
+    properties = {name: _param_property(name) for name in param_names}
+    properties["_graphshard_base_class"] = cls
+    return type(f"Sharded{cls.__name__}", (cls,), properties)
+
+
+def _check(condition: bool, message: Callable[[], str]) -> None:
+    if not condition:
+        raise ValueError(message())
+
+
+def _default_mesh(device_type: str, strategy: ShardingStrategy) -> DeviceMesh:
+    if not dist.is_available() or not dist.is_initialized():
+        raise RuntimeError(
+            "graphshard.shard needs an initialised process group: launch with "
+            "`torchrun --nproc-per-node N script.py` and call "
+            "torch.distributed.init_process_group('gloo' or 'nccl'), or pass a DeviceMesh"
+        )
+    if strategy is ShardingStrategy.HYBRID_SHARD:
+        raise ValueError(
+            "strategy 'hybrid_shard' needs a 2-D DeviceMesh (replicate, shard): pass "
+            "mesh=init_device_mesh(device, (num_replicas, shard_size), "
+            "mesh_dim_names=('replicate', 'shard'))"
+        )
+    return init_device_mesh(device_type, (dist.get_world_size(),))
+
+
+def _named_param_slots(model: nn.Module) -> Iterator[tuple[nn.Module, str, str, nn.Parameter]]:
+    """(module, local name, fully qualified name, parameter), tied parameters included."""
+    for module_name, module in model.named_modules(remove_duplicate=False):
+        for name, param in module._parameters.items():
+            if param is not None:
+                yield module, name, f"{module_name}.{name}" if module_name else name, param
+
+
+def _local_dim0_slice(full: torch.Tensor, coordinate: int, size: int) -> torch.Tensor:
+    chunks = torch.chunk(full, size, dim=0)
+    if coordinate < len(chunks):
+        return chunks[coordinate]
+    return full.new_empty((0, *full.shape[1:]))
+
+
+def shard(
+    model: nn.Module,
+    mesh: DeviceMesh | None = None,
+    *,
+    strategy: str | ShardingStrategy = "full_shard",
+    mixed_precision: MixedPrecisionPolicy | None = None,
+    param_dtype: torch.dtype | None = None,
+    reduce_dtype: torch.dtype | None = None,
+) -> nn.Module:
+    """Shard `model`'s parameters in place over `mesh` and return the same module.
+
+    strategy: "full_shard" (ZeRO-3: gather in forward, free, gather again in backward),
+        "shard_grad_op" (ZeRO-2: keep gathered weights from forward for backward),
+        "no_shard" (DDP: replicated parameters, all-reduced gradients),
+        "hybrid_shard" (2-D mesh (replicate, shard): shard within groups, replicate across).
+    mesh: a 1-D DeviceMesh (2-D for hybrid_shard); None means the default process group.
+    mixed_precision / param_dtype / reduce_dtype: compute and gradient-reduction dtypes; the
+        sharded parameters and optimizer state keep their own dtype.
+    """
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"graphshard.shard expects an nn.Module, got {type(model).__name__}")
+    strategy = ShardingStrategy.parse(strategy)
+    policy = resolve_mixed_precision(mixed_precision, param_dtype, reduce_dtype)
+    slots = list(_named_param_slots(model))
+    for _, _, fqn, param in slots:
+        if isinstance(param, DTensor) or hasattr(model, STATE_ATTR):
+            raise ValueError(
+                f"model is already sharded (parameter {fqn!r} is a DTensor); "
+                "call graphshard.shard once per model"
+            )
+    devices = {param.device for *_, param in slots}
+    if len(devices) > 1:
+        where = {str(d): next(f for _, _, f, p in slots if p.device == d) for d in devices}
+        raise ValueError(
+            f"parameters are on different devices ({where}); move the model to one device "
+            "(e.g. model.to('cuda')) or build it on the meta device before sharding"
+        )
+    device_type = next(iter(devices)).type if devices else "cpu"
+    if device_type == "meta":
+        device_type = "cuda" if torch.cuda.is_available() else "cpu"
+    if mesh is None:
+        mesh = _default_mesh(device_type, strategy)
+    expected_ndim = 2 if strategy is ShardingStrategy.HYBRID_SHARD else 1
+    if mesh.ndim != expected_ndim:
+        raise ValueError(
+            f"strategy {strategy.value!r} needs a {expected_ndim}-D DeviceMesh, got a "
+            f"{mesh.ndim}-D mesh of shape {tuple(mesh.shape)}"
+            + ("; use (replicate, shard) dims" if expected_ndim == 2 else
+               "; use init_device_mesh(device, (world_size,))")
+        )
+
+    sharded: dict[int, nn.Parameter] = {}  # id(original) -> new: tied weights stay tied
+    specs: dict[int, ParamShardSpec] = {}
+    per_module: dict[nn.Module, dict[str, ParamShardSpec]] = {}
+    for module, name, fqn, param in slots:
+        if id(param) not in sharded:
+            new_param, spec = _shard_param(param, fqn, mesh, strategy, policy)
+            sharded[id(param)], specs[id(param)] = new_param, spec
+        module._parameters[name] = sharded[id(param)]
+        per_module.setdefault(module, {})[name] = specs[id(param)]
+    for module, module_specs in per_module.items():
+        object.__setattr__(module, SPECS_ATTR, module_specs)
+        module.__class__ = _sharded_class(type(module), tuple(sorted(module_specs)))
+    object.__setattr__(model, STATE_ATTR, ShardState(mesh, strategy, policy))
+    return model
+
+
+def _shard_param(param: nn.Parameter, fqn: str, mesh: DeviceMesh, strategy: ShardingStrategy,
+                 policy: MixedPrecisionPolicy) -> tuple[nn.Parameter, ParamShardSpec]:
+    shard_dim = mesh.ndim - 1  # the shard dimension is the last mesh dim
+    shard_group = mesh.get_group(shard_dim)
+    shard_size = mesh.size(shard_dim)
+    replica_groups = [(mesh.get_group(d).group_name, mesh.size(d)) for d in range(mesh.ndim - 1)]
+    sharded = strategy is not ShardingStrategy.NO_SHARD and param.dim() > 0
+    if sharded:
+        local = _local_dim0_slice(param.detach(), mesh.get_local_rank(shard_dim), shard_size)
+        placements = [Replicate()] * (mesh.ndim - 1) + [Shard(0)]
+    else:
+        # 0-dim parameters cannot be Shard(0); no_shard replicates everything (DDP).
+        local = param.detach()
+        placements = [Replicate()] * mesh.ndim
+    dtensor = DTensor.from_local(
+        local.clone(memory_format=torch.contiguous_format), mesh, placements,
+        run_check=False, shape=param.shape, stride=param.stride() if param.dim() else (),
+    )
+    new_param = nn.Parameter(dtensor, requires_grad=param.requires_grad)
+    compute_dtype = policy.param_dtype if param.is_floating_point() else None
+    spec = ParamShardSpec(
+        name=fqn,
+        full_dim0=param.shape[0] if param.dim() else 0,
+        gather_group=shard_group.group_name if sharded else "",
+        gather_size=shard_size if sharded else 1,
+        reduce_groups=(shard_group.group_name, *(g for g, _ in replica_groups)),
+        reduce_sizes=(shard_size, *(s for _, s in replica_groups)),
+        scatter=sharded,
+        reshard_after_forward=strategy.reshard_after_forward,
+        compute_dtype=compute_dtype if compute_dtype != param.dtype else None,
+        reduce_dtype=policy.reduce_dtype if param.is_floating_point() else None,
+    )
+    return new_param, spec
+
+
+def is_sharded(model: nn.Module) -> bool:
+    return hasattr(model, STATE_ATTR)
+
+
+def shard_state(model: nn.Module) -> ShardState:
+    if not is_sharded(model):
+        raise ValueError("model is not sharded: call graphshard.shard(model) first")
+    return getattr(model, STATE_ATTR)

@@ -1,0 +1,178 @@
+"""Graph helpers shared by every pass: what a node is, what it costs in bytes, how to emit ops.
+
+Passes are pure functions over a GraphModule; the questions they all ask of a node (is it a
+collective, which wait belongs to it, how many bytes is it) are answered here, once.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any, Callable, Iterable
+
+import torch
+import torch.fx as fx
+from torch._subclasses.fake_tensor import FakeTensorMode, unset_fake_temporarily
+
+aten = torch.ops.aten
+c10d = torch.ops._c10d_functional
+
+ALL_GATHER = c10d.all_gather_into_tensor.default
+REDUCE_SCATTER = c10d.reduce_scatter_tensor.default
+ALL_REDUCE = c10d.all_reduce.default
+WAIT = c10d.wait_tensor.default
+COLLECTIVES = {ALL_GATHER: "all_gather", REDUCE_SCATTER: "reduce_scatter", ALL_REDUCE: "all_reduce"}
+
+
+def _is_op(node: fx.Node, name: str) -> bool:
+    # Dynamo graphs call the overload packet, AOTAutograd graphs the .default overload.
+    if node.op != "call_function" or not hasattr(torch.ops.graphshard, name):
+        return False
+    packet = getattr(torch.ops.graphshard, name)
+    return node.target is packet or node.target is packet.default
+
+
+def is_unshard(node: fx.Node) -> bool:
+    return _is_op(node, "unshard")
+
+
+def is_reduce_grad(node: fx.Node) -> bool:
+    return _is_op(node, "reduce_grad")
+
+
+def is_collective(node: fx.Node) -> bool:
+    return node.op == "call_function" and node.target in COLLECTIVES
+
+
+def collective_kind(node: fx.Node) -> str:
+    return COLLECTIVES[node.target]
+
+
+def is_wait(node: fx.Node) -> bool:
+    return node.op == "call_function" and node.target is WAIT
+
+
+def wait_of(collective: fx.Node) -> fx.Node:
+    """The wait_tensor that completes `collective` (functional collectives have exactly one)."""
+    waits = [user for user in collective.users if is_wait(user)]
+    if len(waits) != 1:
+        raise ValueError(f"collective {collective.name} has {len(waits)} waits, expected 1")
+    return waits[0]
+
+
+def collective_group(node: fx.Node) -> tuple[str, int]:
+    """(group_name, group_size) of a functional collective node."""
+    if node.target is ALL_GATHER:
+        return node.args[2], node.args[1]
+    if node.target is REDUCE_SCATTER:
+        return node.args[3], node.args[2]
+    if node.target is ALL_REDUCE:
+        return node.args[2], node.meta.get("graphshard_group_size", 0)
+    raise ValueError(f"{node.name} is not a collective")
+
+
+def tensor_val(node: Any) -> torch.Tensor | None:
+    val = node.meta.get("val") if isinstance(node, fx.Node) else None
+    return val if isinstance(val, torch.Tensor) else None
+
+
+def tensor_bytes(t: torch.Tensor) -> int:
+    return int(t.numel()) * t.element_size()
+
+
+def node_bytes(node: fx.Node) -> int:
+    val = tensor_val(node)
+    return 0 if val is None else tensor_bytes(val)
+
+
+def unsharded_bytes(collective: fx.Node) -> int:
+    """Size of the full (unsharded) buffer a collective moves: AG output, RS/AR input."""
+    if collective.target is ALL_GATHER:
+        return node_bytes(collective)
+    return node_bytes(collective.args[0])
+
+
+def fake_mode_of(gm: fx.GraphModule) -> FakeTensorMode | None:
+    for node in gm.graph.nodes:
+        val = tensor_val(node)
+        if isinstance(val, torch._subclasses.FakeTensor):
+            return val.fake_mode
+    return None
+
+
+def ceil_div(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def dim0_chunk(full_dim0: int, group_size: int) -> int:
+    """Rows per rank under torch.chunk semantics (what DTensor Shard(0) uses)."""
+    return ceil_div(full_dim0, group_size) if full_dim0 else 0
+
+
+# --------------------------------------------------------------------------- emitters
+#
+# The collective lowering is written once, against an emitter: run eagerly it computes on real
+# tensors (the marker ops' eager implementation); run on a graph it appends FX nodes with
+# fake values (the insert_collectives pass). The same code is both the runtime and the compiler.
+
+
+class EagerEmitter:
+    def __call__(self, op: Callable, *args, **kwargs):
+        return op(*args, **kwargs)
+
+    def val(self, x: torch.Tensor) -> torch.Tensor:
+        return x
+
+
+@dataclass
+class GraphEmitter:
+    """Appends each op as a call_function node, with meta["val"] computed on fake tensors."""
+
+    graph: fx.Graph
+    fake_mode: FakeTensorMode | None
+    meta: dict | None = None  # copied onto every new node (provenance, module stack)
+
+    def __call__(self, op: Callable, *args, **kwargs):
+        node = self.graph.call_function(op, args, kwargs)
+        if self.meta:
+            node.meta.update(self.meta)
+        fake_args, fake_kwargs = torch.utils._pytree.tree_map_only(
+            fx.Node, lambda n: n.meta["val"], (args, kwargs)
+        )
+        with unset_fake_temporarily():
+            mode = self.fake_mode or FakeTensorMode(allow_non_fake_inputs=True)
+            with mode:
+                node.meta["val"] = op(*fake_args, **fake_kwargs)
+        return node
+
+    def val(self, x: fx.Node) -> torch.Tensor:
+        return x.meta["val"]
+
+
+def stable_sort_and_check(gm: fx.GraphModule) -> fx.GraphModule:
+    """After surgery: drop dead pure nodes, lint, recompile."""
+    gm.graph.eliminate_dead_code()
+    gm.graph.lint()
+    gm.recompile()
+    return gm
+
+
+def users_in_order(node: fx.Node, order: dict[fx.Node, int]) -> list[fx.Node]:
+    return sorted(node.users, key=order.__getitem__)
+
+
+def node_order(graph: fx.Graph) -> dict[fx.Node, int]:
+    return {node: index for index, node in enumerate(graph.nodes)}
+
+
+def module_path(node: fx.Node) -> str:
+    """Innermost nn.Module path of a node from nn_module_stack ('' when unknown)."""
+    stack = node.meta.get("nn_module_stack") or {}
+    if not stack:
+        return ""
+    path = list(stack.values())[-1][0]
+    return path if isinstance(path, str) else ""
+
+
+def prod(values: Iterable[int]) -> int:
+    return math.prod(values)
