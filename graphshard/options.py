@@ -50,3 +50,45 @@ class GraphshardOptions:
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
+
+
+def parse_option_strings(pairs: list[str]) -> dict[str, Any]:
+    """`["bucket_mb=25", "reorder=false"]` -> {"bucket_mb": 25.0, "reorder": False} (for CLIs).
+
+    Values are converted by the type of the field's default; unknown keys are a clear error.
+    """
+    defaults = GraphshardOptions()
+    valid = [f.name for f in fields(GraphshardOptions)]
+    parsed: dict[str, Any] = {}
+    for pair in pairs:
+        key, sep, text = pair.partition("=")
+        key = key.strip().replace("-", "_")
+        if not sep:
+            raise ValueError(f"option {pair!r} must be KEY=VALUE")
+        if key not in valid:
+            raise ValueError(f"unknown graphshard option {key!r}; valid options: {', '.join(valid)}")
+        default = getattr(defaults, key)
+        text = text.strip()
+        if text.lower() == "none":
+            value: Any = None
+        elif isinstance(default, bool):
+            if text.lower() not in ("true", "false", "1", "0", "yes", "no", "on", "off"):
+                raise ValueError(f"option {key} expects true/false, got {text!r}")
+            value = text.lower() in ("true", "1", "yes", "on")
+        elif isinstance(default, int):
+            value = _number(key, text, int)
+        elif isinstance(default, float) or key == "max_inflight_mb":
+            value = _number(key, text, float)
+        else:
+            value = text
+        parsed[key] = value
+    GraphshardOptions.from_dict(parsed)  # validate values now, with the option's own message
+    return parsed
+
+
+def _number(key: str, text: str, kind: type):
+    try:
+        return kind(text)
+    except ValueError:
+        raise ValueError(f"option {key} expects a{'n integer' if kind is int else ' number'}, "
+                         f"got {text!r}") from None

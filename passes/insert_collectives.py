@@ -105,7 +105,7 @@ def insert_collectives(gm: fx.GraphModule, ctx=None) -> fx.GraphModule:
             continue
         meta = {key: node.meta[key] for key in ("nn_module_stack", "stack_trace") if key in node.meta}
         meta["graphshard_marker"] = node.name  # provenance: which marker produced this node
-        meta["graphshard_param"] = node.args[-1]
+        meta["graphshard_params"] = (node.args[-1],)  # bucketing concatenates these
         meta["graphshard_role"] = "unshard" if is_unshard(node) else "reduce_grad"
         emit = GraphEmitter(gm.graph, fake_mode, meta)
         with gm.graph.inserting_before(node):

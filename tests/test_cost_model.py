@@ -1,0 +1,344 @@
+"""Cost model: alpha-beta formulas, node costs on make_fx graphs, the two-lane simulator,
+liveness-based peak memory, strategy formulas, and calibration on 2 gloo processes."""
+
+from __future__ import annotations
+
+import json
+import operator
+
+import pytest
+import sympy
+import torch
+import torch.distributed as dist
+from torch.fx.experimental.proxy_tensor import make_fx
+
+from graphshard import cost_model as cm
+from graphshard.cost_model import ClusterSpec
+
+aten = torch.ops.aten
+c10d = torch.ops._c10d_functional
+N = sympy.Symbol("N", positive=True, integer=True)
+
+# Round numbers so expected values are easy to compute by hand; no kernel overhead.
+SPEC = ClusterSpec(latency_s=1e-3, bandwidth_Bps=1e9, flops_per_s=1e9,
+                   memory_bandwidth_Bps=1e10, kernel_overhead_s=0.0)
+
+
+@pytest.fixture
+def fake_pg():
+    """A world-size-8 fake process group, so functional collectives can be traced."""
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=8)
+    try:
+        yield dist.group.WORLD.group_name
+    finally:
+        dist.destroy_process_group()
+
+
+def _nodes(gm, target):
+    return [n for n in gm.graph.nodes if n.target is target]
+
+
+# --------------------------------------------------------------------------- ClusterSpec
+
+
+def test_spec_validation_names_the_field():
+    with pytest.raises(ValueError, match="bandwidth_Bps"):
+        ClusterSpec(1e-3, -1.0, 1e9, 1e9)
+    with pytest.raises(ValueError, match="flops_per_s"):
+        ClusterSpec(1e-3, 1e9, 0, 1e9)
+    with pytest.raises(ValueError, match="latency_s"):
+        ClusterSpec(True, 1e9, 1e9, 1e9)
+    with pytest.raises(ValueError, match="memory_bandwidth_Bps"):
+        ClusterSpec(1e-3, 1e9, 1e9, float("inf"))
+    ClusterSpec(0.0, 1e9, 1e9, 1e9, kernel_overhead_s=0.0)  # zero fixed costs are fine
+
+
+def test_spec_json_round_trip_and_errors(tmp_path):
+    path = tmp_path / "spec.json"
+    SPEC.to_json(path)
+    assert ClusterSpec.from_json(path) == SPEC
+    assert ClusterSpec.from_json(str(path)) == SPEC
+    assert ClusterSpec.from_json(SPEC.to_json()) == SPEC
+    assert ClusterSpec.from_json(json.loads(SPEC.to_json())) == SPEC
+    with pytest.raises(ValueError, match="unknown ClusterSpec key.*'bogus'.*valid keys.*latency_s"):
+        ClusterSpec.from_json({**json.loads(SPEC.to_json()), "bogus": 1})
+    with pytest.raises(ValueError, match="missing.*flops_per_s"):
+        ClusterSpec.from_json({"latency_s": 1e-3, "bandwidth_Bps": 1e9,
+                               "memory_bandwidth_Bps": 1e9})
+
+
+def test_default_reproduces_the_measured_points():
+    spec = ClusterSpec.default()
+    assert cm.collective_time("all_gather", 1024, 2, spec) == pytest.approx(0.36e-3)
+    assert cm.collective_time("all_gather", 4 << 20, 2, spec) == pytest.approx(3e-3)
+
+
+# --------------------------------------------------------------------------- alpha-beta
+
+
+def test_collective_time_numbers():
+    # 8 MB at N=4: each rank sends 3/4 of it for AG/RS, twice that for AR; alpha once.
+    assert cm.wire_bytes("all_gather", 8e6, 4) == pytest.approx(6e6)
+    assert cm.wire_bytes("reduce_scatter", 8e6, 4) == pytest.approx(6e6)
+    assert cm.wire_bytes("all_reduce", 8e6, 4) == pytest.approx(12e6)
+    assert cm.collective_time("all_gather", 8e6, 4, SPEC) == pytest.approx(7e-3)
+    assert cm.collective_time("reduce_scatter", 8e6, 4, SPEC) == pytest.approx(7e-3)
+    assert cm.collective_time("all_reduce", 8e6, 4, SPEC) == pytest.approx(13e-3)
+    assert cm.collective_time("all_gather", 2e6, 2, SPEC) == pytest.approx(2e-3)
+    for kind in cm.KINDS:
+        assert cm.collective_time(kind, 8e6, 1, SPEC) == 0.0
+        assert cm.wire_bytes(kind, 8e6, 1) == 0.0
+    assert isinstance(cm.collective_time("all_gather", 1024, 8, SPEC), float)
+    with pytest.raises(ValueError, match="unknown collective kind 'broadcast'"):
+        cm.collective_time("broadcast", 1, 2, SPEC)
+    with pytest.raises(ValueError, match="world_size"):
+        cm.wire_bytes("all_gather", 1, 0)
+
+
+@pytest.mark.parametrize("kind", cm.KINDS)
+def test_collective_time_symbolic(kind):
+    t = cm.collective_time(kind, 1 << 20, N, SPEC)
+    assert isinstance(t, sympy.Basic) and N in t.free_symbols
+    for n in (2, 8, 64):
+        assert float(t.subs(N, n)) == pytest.approx(cm.collective_time(kind, 1 << 20, n, SPEC))
+    assert t.subs(N, 1) == 0
+    w = cm.wire_bytes(kind, 1 << 20, N)
+    assert float(w.subs(N, 8)) == pytest.approx(cm.wire_bytes(kind, 1 << 20, 8))
+    b = sympy.Symbol("B", positive=True)
+    tb = cm.collective_time(kind, b, 8, SPEC)
+    assert float(tb.subs(b, 1 << 20)) == pytest.approx(cm.collective_time(kind, 1 << 20, 8, SPEC))
+
+
+# --------------------------------------------------------------------------- node costs
+
+
+def test_mm_node_cost_is_2mnk():
+    m, k, n = 64, 32, 48
+    gm = make_fx(lambda a, b: a @ b, tracing_mode="fake")(torch.randn(m, k), torch.randn(k, n))
+    (mm,) = _nodes(gm, aten.mm.default)
+    cost = cm.node_cost(mm, SPEC)
+    assert cost.flops == 2 * m * n * k
+    assert cost.bytes == 4 * (m * k + k * n + m * n)
+    assert cost.seconds == pytest.approx(max(cost.flops / 1e9, cost.bytes / 1e10))
+    with_overhead = cm.node_cost(mm, ClusterSpec(1e-3, 1e9, 1e9, 1e10, kernel_overhead_s=5e-6))
+    assert with_overhead.seconds == pytest.approx(cost.seconds + 5e-6)
+
+
+def test_mm_node_cost_symbolic_shapes():
+    gm = make_fx(lambda a, b: a @ b, tracing_mode="symbolic")(torch.randn(64, 32),
+                                                              torch.randn(32, 48))
+    (mm,) = _nodes(gm, aten.mm.default)
+    assert cm.node_cost(mm, SPEC).flops == 2 * 64 * 32 * 48  # hints
+    flops = cm.node_cost(mm, SPEC, symbolic=True).flops
+    assert isinstance(flops, sympy.Expr) and len(flops.free_symbols) == 3
+
+
+def test_views_and_bookkeeping_nodes_cost_nothing():
+    def f(x):
+        y = x.view(8, 16).t().transpose(0, 1).permute(1, 0)[2:].select(0, 1)
+        a, b = torch.split(x.reshape(128), 64)
+        return y.expand(4, 8), a, b, x.unbind(0)[0]
+
+    gm = make_fx(f, tracing_mode="fake")(torch.randn(8, 16))
+    calls = [n for n in gm.graph.nodes if n.op == "call_function"]
+    assert {operator.getitem, aten.view.default, aten.t.default, aten.split.Tensor} <= {
+        n.target for n in calls}
+    for node in gm.graph.nodes:
+        assert cm.node_cost(node, SPEC) == cm.ZERO_COST, node.format_node()
+
+
+def test_elementwise_is_memory_bound():
+    gm = make_fx(lambda x, y: x + y, tracing_mode="fake")(torch.randn(1000), torch.randn(1000))
+    (add,) = _nodes(gm, aten.add.Tensor)
+    cost = cm.node_cost(add, SPEC)
+    assert (cost.flops, cost.bytes) == (0, 12000)
+    assert cost.seconds == pytest.approx(12000 / 1e10)
+
+
+# --------------------------------------------------------------------------- collectives in graphs
+
+
+def test_collective_node_cost(fake_pg):
+    def f(shard, grad):
+        full = c10d.wait_tensor(c10d.all_gather_into_tensor(shard, 8, fake_pg))
+        rs = c10d.wait_tensor(c10d.reduce_scatter_tensor(grad, "sum", 8, fake_pg))
+        ar = c10d.wait_tensor(c10d.all_reduce(grad, "sum", fake_pg))
+        return full, rs, ar
+
+    gm = make_fx(f, tracing_mode="fake")(torch.randn(1000), torch.randn(8000))
+    ag, = _nodes(gm, c10d.all_gather_into_tensor.default)
+    rs, = _nodes(gm, c10d.reduce_scatter_tensor.default)
+    ar, = _nodes(gm, c10d.all_reduce.default)
+    for node, kind in ((ag, "all_gather"), (rs, "reduce_scatter"), (ar, "all_reduce")):
+        cost = cm.collective_node_cost(node, SPEC)
+        assert (cost.kind, cost.nbytes, cost.group_size) == (kind, 32000, 8)  # unsharded size
+        assert cost.seconds == pytest.approx(cm.collective_time(kind, 32000, 8, SPEC))
+        assert cm.node_cost(node, SPEC) == cm.ZERO_COST
+    assert cm.collective_node_cost(ar, SPEC, world_size=2).group_size == 2
+    assert cm.collective_node_cost(ar, SPEC, world_size={fake_pg: 4}).group_size == 4
+    symbolic = cm.collective_node_cost(ag, SPEC, world_size=N, symbolic=True).seconds
+    assert float(symbolic.subs(N, 8)) == pytest.approx(cm.collective_time("all_gather", 32000, 8,
+                                                                          SPEC))
+    with pytest.raises(ValueError, match="not a functional collective"):
+        cm.collective_node_cost(next(iter(gm.graph.nodes)), SPEC)
+
+
+def _prefetch_graphs(group):
+    """Same work twice: the all-gather issued before an independent matmul, or waited at once."""
+    def prefetched(shard, x, w):
+        full = c10d.all_gather_into_tensor(shard, 8, group)
+        y = x @ w
+        return y, c10d.wait_tensor(full)
+
+    def waited(shard, x, w):
+        full = c10d.wait_tensor(c10d.all_gather_into_tensor(shard, 8, group))
+        return x @ w, full
+
+    args = (torch.randn(1024), torch.randn(128, 128), torch.randn(128, 128))
+    return tuple(make_fx(f, tracing_mode="fake")(*args) for f in (prefetched, waited))
+
+
+def test_prefetched_collective_is_hidden_waited_one_is_exposed(fake_pg):
+    prefetched, waited = _prefetch_graphs(fake_pg)
+    comm = cm.collective_time("all_gather", 8 * 1024 * 4, 8, SPEC)
+    mm = 2 * 128 ** 3 / 1e9  # 4.2 ms of compute vs ~1 ms of comm
+    assert mm > comm
+
+    hidden = cm.graph_estimate(prefetched, SPEC)
+    (c,) = hidden.collectives
+    assert c.dur_s == pytest.approx(comm) and c.issue_s == 0.0
+    assert c.exposed_s < c.dur_s and c.exposed_s == pytest.approx(0.0)
+    assert c.hidden_s == pytest.approx(comm)
+    assert hidden.exposed_comm_s == pytest.approx(0.0)
+    assert hidden.total_s == pytest.approx(mm)
+
+    exposed = cm.graph_estimate(waited, SPEC)
+    (c,) = exposed.collectives
+    assert c.exposed_s == pytest.approx(c.dur_s) and c.hidden_s == pytest.approx(0.0)
+    assert exposed.exposed_comm_s == pytest.approx(comm)
+    assert exposed.total_s == pytest.approx(mm + comm)
+    assert [e.kind for e in exposed.events if e.lane == "compute"] == ["wait", "compute"]
+
+    trace = exposed.chrome_trace()["traceEvents"]
+    assert {e["name"] for e in trace} == {"all_gather_into_tensor", "wait_tensor", "mm"}
+    assert all(e["dur"] > 0 for e in trace)
+    # At world size 1 the collective is free; the graph is pure compute.
+    assert cm.graph_estimate(waited, SPEC, world_size=1).total_s == pytest.approx(mm)
+
+
+def test_collectives_queue_on_one_comm_lane(fake_pg):
+    def f(a, b):
+        fa = c10d.all_gather_into_tensor(a, 8, fake_pg)
+        fb = c10d.all_gather_into_tensor(b, 8, fake_pg)
+        return c10d.wait_tensor(fa), c10d.wait_tensor(fb)
+
+    gm = make_fx(f, tracing_mode="fake")(torch.randn(1024), torch.randn(1024))
+    est = cm.graph_estimate(gm, SPEC)
+    first, second = est.collectives
+    assert second.issue_s == 0.0 and second.start_s == pytest.approx(first.dur_s)
+    assert est.total_s == pytest.approx(first.dur_s + second.dur_s)
+    assert est.exposed_comm_s == pytest.approx(est.comm_s)
+
+
+# --------------------------------------------------------------------------- memory
+
+
+def test_peak_memory_hand_computed():
+    def f(x):  # x: 1024 floats = 4096 B
+        a = x * 2  # +4096                      live 4096
+        b = a + 1  # +4096 -> 8192 (peak); a freed -> 4096
+        return b.view(32, 32).sum()  # view free; sum +4, b freed
+
+    gm = make_fx(f, tracing_mode="fake")(torch.randn(1024))
+    mem = cm.memory_estimate(gm)
+    assert (mem.placeholder_bytes, mem.peak_transient_bytes, mem.peak_bytes) == (4096, 8192, 12288)
+    assert mem.peak_node == "add"
+    assert cm.graph_estimate(gm, SPEC).peak_memory_bytes == 12288
+
+
+def test_peak_memory_views_and_waits_alias(fake_pg):
+    def f(x, shard):
+        y = x * 2  # 4096
+        lo, hi = torch.split(y, 512)  # views of y
+        z = lo + hi  # +2048 -> 6144; y freed
+        full = c10d.wait_tensor(c10d.all_gather_into_tensor(shard, 8, fake_pg))  # +8*400
+        return z, full.view(8, 100)
+
+    gm = make_fx(f, tracing_mode="fake")(torch.randn(1024), torch.randn(100))
+    mem = cm.memory_estimate(gm)
+    assert mem.placeholder_bytes == 4096 + 400
+    assert mem.peak_transient_bytes == 6144
+    assert mem.peak_node == "add"
+
+
+# --------------------------------------------------------------------------- theory
+
+
+def test_theoretical_comm_bytes_formulas():
+    p = 1000
+    fs = cm.theoretical_comm_bytes("full_shard", p, N)
+    assert sympy.simplify(fs["total"] - 3 * p * (N - 1) / N) == 0
+    assert fs["all_reduce"] == 0
+    for strategy in ("full_shard", "shard_grad_op", "no_shard"):
+        sym = cm.theoretical_comm_bytes(strategy, p, N)
+        num = cm.theoretical_comm_bytes(strategy, p, 8)
+        for key in ("all_gather", "reduce_scatter", "all_reduce", "total"):
+            assert float(sympy.sympify(sym[key]).subs(N, 8)) == pytest.approx(num[key])
+    assert cm.theoretical_comm_bytes("shard_grad_op", p, 2) == {
+        "all_gather": 500.0, "reduce_scatter": 500.0, "all_reduce": 0.0, "total": 1000.0}
+    assert cm.theoretical_comm_bytes("no_shard", p, 4)["all_reduce"] == 1500.0
+    assert cm.theoretical_comm_bytes("hybrid_shard", p, 16, shard_size=4) == {
+        "all_gather": 1500.0, "reduce_scatter": 750.0, "all_reduce": 375.0, "total": 2625.0}
+    assert cm.theoretical_comm_bytes("full_shard", p, 2, trainable_bytes=400) == {
+        "all_gather": 1000.0, "reduce_scatter": 200.0, "all_reduce": 0.0, "total": 1200.0}
+    s = sympy.Symbol("S", positive=True, integer=True)
+    hy = cm.theoretical_comm_bytes("hybrid_shard", p, N, shard_size=s)
+    assert float(hy["total"].subs({N: 16, s: 4})) == pytest.approx(2625.0)
+
+
+def test_theoretical_comm_bytes_errors():
+    with pytest.raises(ValueError, match="unknown strategy 'zero2'.*full_shard"):
+        cm.theoretical_comm_bytes("zero2", 1, 2)
+    with pytest.raises(ValueError, match="shard_size"):
+        cm.theoretical_comm_bytes("hybrid_shard", 1, 8)
+    with pytest.raises(ValueError, match="divide"):
+        cm.theoretical_comm_bytes("hybrid_shard", 1, 8, shard_size=3)
+
+
+# --------------------------------------------------------------------------- calibration
+
+
+def test_fit_alpha_beta_recovers_line():
+    alpha, bw = 2e-4, 5e8
+    samples = [(b, alpha + 0.5 * b / bw) for b in (1 << 10, 1 << 16, 1 << 20, 1 << 24)]
+    fit = cm.fit_alpha_beta(samples, world_size=2)
+    assert fit == pytest.approx((alpha, bw), rel=1e-6)
+    with pytest.raises(ValueError, match="two or more"):
+        cm.fit_alpha_beta([(1024, 1e-3)], world_size=2)
+
+
+def test_calibrate_two_gloo_processes(tmp_path):
+    samples = []
+    spec = cm.calibrate(world_size=2, sizes=(1 << 10, 1 << 20), repeats=3, samples=samples)
+    assert [b for b, _ in samples] == [1 << 10, 1 << 20]
+    for name in ("latency_s", "bandwidth_Bps", "flops_per_s", "memory_bandwidth_Bps",
+                 "kernel_overhead_s"):
+        assert getattr(spec, name) > 0, name
+    spec.to_json(tmp_path / "spec.json")
+    assert ClusterSpec.from_json(tmp_path / "spec.json") == spec
+
+
+def test_calibrate_cli(tmp_path, monkeypatch, capsys):
+    def fake_calibrate(world_size, repeats, samples):
+        samples.extend([(1024, 0.36e-3), (4 << 20, 3e-3)])
+        return ClusterSpec.default()
+
+    monkeypatch.setattr(cm, "calibrate", fake_calibrate)
+    out = tmp_path / "machine.json"
+    assert cm.main(["--world-size", "2", "--out", str(out)]) == 0
+    printed = capsys.readouterr().out
+    assert "latency_s" in printed and "measured ms" in printed and str(out) in printed
+    assert ClusterSpec.from_json(out) == ClusterSpec.default()
+    with pytest.raises(SystemExit):
+        cm.main(["--world-size", "1"])

@@ -1,0 +1,74 @@
+"""Bad input gets a clear error, never a hang or a silent wrong answer."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn as nn
+from torch.distributed.device_mesh import init_device_mesh
+
+import graphshard
+from graphshard.options import GraphshardOptions, parse_option_strings
+
+
+def test_shard_without_process_group_says_how_to_start_one():
+    with pytest.raises(RuntimeError, match="torchrun.*init_process_group"):
+        graphshard.shard(nn.Linear(4, 4))
+
+
+def test_unknown_strategy_lists_valid_ones(fake_pg):
+    with pytest.raises(ValueError, match="unknown sharding strategy 'zero9'.*full_shard.*"
+                                         "shard_grad_op.*no_shard.*hybrid_shard"):
+        graphshard.shard(nn.Linear(4, 4), strategy="zero9")
+
+
+def test_sharding_twice_is_refused(fake_pg):
+    model = graphshard.shard(nn.Linear(4, 4))
+    with pytest.raises(ValueError, match="already sharded"):
+        graphshard.shard(model)
+
+
+def test_parameters_on_different_devices_are_refused(fake_pg):
+    model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4, device="meta"))
+    with pytest.raises(ValueError, match="different devices.*cpu.*meta"):
+        graphshard.shard(model)
+
+
+def test_mesh_of_wrong_dimension_is_refused(fake_pg):
+    mesh_2d = init_device_mesh("cpu", (2, 4))
+    with pytest.raises(ValueError, match="'full_shard' needs a 1-D DeviceMesh, got a 2-D"):
+        graphshard.shard(nn.Linear(4, 4), mesh_2d)
+    mesh_1d = init_device_mesh("cpu", (8,))
+    with pytest.raises(ValueError, match="'hybrid_shard' needs a 2-D DeviceMesh"):
+        graphshard.shard(nn.Linear(4, 4), mesh_1d, strategy="hybrid_shard")
+
+
+def test_shard_returns_the_same_module_with_dtensor_parameters(fake_pg):
+    model = nn.Sequential(nn.Linear(5, 3), nn.LayerNorm(3))
+    model.register_buffer("steps", torch.zeros(2))
+    out = graphshard.shard(model)
+    assert out is model
+    from torch.distributed.tensor import DTensor, Shard
+    for name, p in model.named_parameters():
+        assert isinstance(p, nn.Parameter) and isinstance(p, DTensor), name
+        assert p.placements == (Shard(0),)
+    assert not isinstance(model.steps, DTensor)  # buffers are not sharded
+    assert model[0].weight.shape == (3, 5) and not isinstance(model[0].weight, DTensor)
+
+
+def test_unknown_backend_option_is_refused():
+    with pytest.raises(ValueError, match="unknown graphshard option.*'bucket_size'.*bucket_mb"):
+        GraphshardOptions.from_dict({"bucket_size": 1})
+    with pytest.raises(ValueError, match="prefetch must be an int >= 0"):
+        GraphshardOptions.from_dict({"prefetch": -1})
+    assert parse_option_strings(["bucket_mb=0", "reorder=false", "max_inflight_mb=none"]) == {
+        "bucket_mb": 0.0, "reorder": False, "max_inflight_mb": None}
+    with pytest.raises(ValueError, match="reorder expects true/false"):
+        parse_option_strings(["reorder=maybe"])
+
+
+def test_unknown_option_through_torch_compile_fails_clearly(fake_pg):
+    model = graphshard.shard(nn.Linear(4, 4))
+    compiled = torch.compile(model, backend="graphshard", options={"bogus": 1})
+    with pytest.raises(Exception, match="unknown graphshard option"):
+        compiled(torch.randn(2, 4))

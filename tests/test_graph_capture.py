@@ -1,0 +1,105 @@
+"""Graph tests of the core lowering: fake process group, world size 8, one process."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from graphshard.models import build_model
+from passes.graph_utils import ALL_GATHER, ALL_REDUCE, REDUCE_SCATTER, WAIT, is_wait
+from tests.capture import call_nodes, capture_step
+from tests.zoo import Zoo, zoo_batch, zoo_loss
+
+UNBUCKETED = {"bucket_mb": 0, "reorder": False}
+
+
+def _params(node) -> tuple[str, ...]:
+    return tuple(node.meta["graphshard_params"])
+
+
+def _derived_from_gather(node, seen=None) -> bool:
+    """True if `node` is, or is a view chain of, an all-gather's result."""
+    views = {torch.ops.aten.slice.Tensor, torch.ops.aten.view.default, torch.ops.aten.permute.default,
+             torch.ops.aten.t.default, torch.ops.aten.expand.default, torch.ops.aten.alias.default,
+             torch.ops.aten._unsafe_view.default, torch.ops.aten.transpose.int}
+    if node.op != "call_function":
+        return False
+    if node.target in (WAIT, ALL_GATHER):
+        return True
+    return node.target in views and _derived_from_gather(node.args[0])
+
+
+def test_one_all_gather_per_parameter_use_and_one_reduce_scatter_per_trainable(fake_pg):
+    model = Zoo()
+    graphs = capture_step(model, (zoo_batch(8),), zoo_loss, options=UNBUCKETED)
+    fwd = graphs[("forward", "lowered")]
+    gathers = call_nodes(fwd, ALL_GATHER)
+    gathered = [_params(n) for n in gathers]
+    # every sharded parameter read in forward is gathered exactly once (tied emb/head and the
+    # twice-called block merged); the 0-dim `scale` is replicated and needs no gather
+    sharded = {name for name, p in model.named_parameters() if p.dim() > 0}
+    assert sorted(p for (p,) in gathered) == sorted(sharded)
+    for node in gathers:  # each gather feeds only its own parameter's uses
+        for user in node.users:
+            assert is_wait(user)
+            for use in user.users:
+                assert use.meta.get("graphshard_params", _params(node)) == _params(node)
+
+    bwd = graphs[("backward", "lowered")]
+    trainable_sharded = {n for n, p in model.named_parameters() if p.requires_grad and p.dim() > 0}
+    scatters = [_params(n)[0] for n in call_nodes(bwd, REDUCE_SCATTER)]
+    assert sorted(scatters) == sorted(trainable_sharded)  # one per trainable param, tied once
+    assert [_params(n) for n in call_nodes(bwd, ALL_REDUCE)] == [("scale",)]  # the 0-dim param
+    # frozen parameters are gathered but never reduced
+    assert not any("frozen" in p for p in scatters)
+    assert ("frozen.weight",) in gathered
+
+
+def test_full_shard_regathers_in_backward_and_saves_no_full_weight(fake_pg):
+    model, inputs, loss_fn = build_model("transformer", dim=64, n_layers=2, vocab_size=64, batch=2, seq_len=8)
+    graphs = capture_step(model, inputs, loss_fn, strategy="full_shard", options=UNBUCKETED)
+    fwd, bwd = graphs[("forward", "lowered")], graphs[("backward", "lowered")]
+    assert len(call_nodes(bwd, ALL_GATHER)) > 0
+    saved = list(fwd.graph.output_node().args[0])[1:]  # outputs after the loss are saved tensors
+    offenders = [n.name for n in saved if isinstance(n, torch.fx.Node) and _derived_from_gather(n)]
+    assert offenders == []
+    # backward gathers exactly the weights needed for input gradients: every matmul weight
+    bwd_gathered = {_params(n)[0] for n in call_nodes(bwd, ALL_GATHER)}
+    assert "layers.0.attention.wq.weight" in bwd_gathered
+    assert "output.weight" in bwd_gathered
+
+
+def test_shard_grad_op_keeps_forward_gathers_for_backward(fake_pg):
+    model, inputs, loss_fn = build_model("transformer", dim=64, n_layers=2, vocab_size=64, batch=2, seq_len=8)
+    graphs = capture_step(model, inputs, loss_fn, strategy="shard_grad_op", options=UNBUCKETED)
+    fwd, bwd = graphs[("forward", "lowered")], graphs[("backward", "lowered")]
+    assert call_nodes(bwd, ALL_GATHER) == []
+    saved = list(fwd.graph.output_node().args[0])[1:]
+    assert any(isinstance(n, torch.fx.Node) and _derived_from_gather(n) for n in saved)
+    trainable = sum(1 for p in model.parameters() if p.requires_grad)
+    assert len(call_nodes(bwd, REDUCE_SCATTER)) == trainable
+
+
+def test_no_shard_all_reduces_gradients_and_gathers_nothing(fake_pg):
+    model = Zoo()
+    graphs = capture_step(model, (zoo_batch(8),), zoo_loss, strategy="no_shard", options=UNBUCKETED)
+    fwd, bwd = graphs[("forward", "lowered")], graphs[("backward", "lowered")]
+    assert call_nodes(fwd, ALL_GATHER) == [] and call_nodes(bwd, REDUCE_SCATTER) == []
+    reduced = sorted(_params(n)[0] for n in call_nodes(bwd, ALL_REDUCE))
+    assert reduced == sorted(n for n, p in model.named_parameters() if p.requires_grad)
+
+
+@pytest.mark.parametrize("fake_pg", [64], indirect=True)
+def test_uneven_and_empty_shards_pad_to_chunk_and_narrow(fake_pg):
+    # At world size 64, rank 0 holds ceil(11/64)=1 row of emb; gate.weight has 1 row in total.
+    model = Zoo()
+    graphs = capture_step(model, (zoo_batch(64),), zoo_loss, options=UNBUCKETED)
+    fwd = graphs[("forward", "lowered")]
+    by_param = {_params(n)[0]: n for n in call_nodes(fwd, ALL_GATHER)}
+    emb = by_param["emb.weight"]
+    assert tuple(emb.meta["val"].shape) == (64, 6)  # 64 ranks x 1 padded row
+    narrowed = [u for u in next(iter(emb.users)).users if u.target is torch.ops.aten.slice.Tensor]
+    assert narrowed and tuple(narrowed[0].meta["val"].shape) == (11, 6)
+    bwd = graphs[("backward", "lowered")]
+    rs = {_params(n)[0]: n for n in call_nodes(bwd, REDUCE_SCATTER)}
+    assert tuple(rs["emb.weight"].args[0].meta["val"].shape) == (64, 6)  # padded to N x chunk
