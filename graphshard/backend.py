@@ -11,9 +11,9 @@ The pipeline is data: `PIPELINE` below is the single list of stages, and `graphs
 from __future__ import annotations
 
 import copy
-import functools
-from dataclasses import dataclass
-from typing import Any, Callable, Sequence
+import math
+from dataclasses import dataclass, field
+from typing import Any, Callable, Mapping, Sequence
 
 import torch
 import torch.fx as fx
@@ -21,10 +21,13 @@ from torch._dynamo.backends.common import aot_autograd
 from torch._functorch.aot_autograd import make_boxed_func
 
 from graphshard import ops  # noqa: F401  (registers torch.ops.graphshard.*)
+from graphshard.cost_model import ClusterSpec, collective_node_cost, node_cost
 from graphshard.options import GraphshardOptions
 from passes.graph_utils import is_reduce_grad, is_unshard
+from passes.bucket_collectives import bucket_collectives
 from passes.insert_collectives import insert_collectives
 from passes.merge_duplicate_unshards import merge_duplicate_unshards
+from passes.reorder_collectives import ReorderPolicy, reorder_collectives
 from passes.reshard_policy import tag_reshard_policy
 
 
@@ -34,6 +37,19 @@ class PassContext:
 
     graph_kind: str  # "forward", "backward" or "inference"
     options: GraphshardOptions
+    param_order: Mapping[str, int] = field(default_factory=dict)  # name -> registration index
+    cluster: ClusterSpec = field(default_factory=ClusterSpec.default)  # cost-model parameters
+
+
+def _schedule(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
+    budget = ctx.options.max_inflight_mb
+    policy = ReorderPolicy(
+        prefetch=ctx.options.prefetch,
+        max_inflight_bytes=math.inf if budget is None else budget * 2**20,
+        compute_seconds=lambda node: node_cost(node, ctx.cluster).seconds,
+        collective_seconds=lambda node: collective_node_cost(node, ctx.cluster).seconds,
+    )
+    return reorder_collectives(gm, policy)
 
 
 @dataclass(frozen=True)
@@ -45,6 +61,8 @@ class Stage:
 
 PIPELINE: tuple[Stage, ...] = (
     Stage("lowered", insert_collectives),
+    Stage("bucketed", bucket_collectives, enabled=lambda options: options.bucket_mb > 0),
+    Stage("scheduled", _schedule, enabled=lambda options: options.reorder),
 )
 STAGES: tuple[str, ...] = ("captured",) + tuple(stage.name for stage in PIPELINE)
 
@@ -81,10 +99,12 @@ class GraphshardCompiler:
     def __init__(self, options: GraphshardOptions, observer: StageObserver | None = None):
         self.options = options
         self.observer = observer
+        self.param_order: dict[str, int] = {}
 
     def _graph_compiler(self, graph_kind: str):
         def compile_graph(gm: fx.GraphModule, example_inputs: Sequence[Any]):
-            gm = run_pipeline(gm, PassContext(graph_kind, self.options), self.observer)
+            ctx = PassContext(graph_kind, self.options, self.param_order)
+            gm = run_pipeline(gm, ctx, self.observer)
             if self.options.compiler == "eager":
                 return make_boxed_func(gm.forward)
             from torch._inductor.compile_fx import compile_fx_inner
@@ -104,6 +124,10 @@ class GraphshardCompiler:
 
             return compile_fx(gm, example_inputs)
         gm = merge_duplicate_unshards(gm)
+        # shard() tags each parameter with (name, registration index); bucketing packs by it.
+        self.param_order = dict(
+            getattr(x, "_graphshard_order") for x in example_inputs if hasattr(x, "_graphshard_order")
+        )
         from torch._inductor.decomposition import select_decomp_table
         from torch._inductor.virtualized import V
         from torch._guards import detect_fake_mode

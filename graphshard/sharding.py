@@ -20,10 +20,12 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
 from graphshard import ops  # noqa: F401  (registers torch.ops.graphshard.*)
+from graphshard.grad_sync import GradSync, unshard_for_grad_sync
 from graphshard.policy import MixedPrecisionPolicy, ShardingStrategy, resolve_mixed_precision
 
 SPECS_ATTR = "_graphshard_specs"
 STATE_ATTR = "_graphshard_state"
+GRAD_SYNC_ATTR = "_graphshard_grad_sync"  # on every sharded module: the model's GradSync
 
 
 @dataclass(frozen=True)
@@ -44,11 +46,12 @@ class ParamShardSpec:
 
 @dataclass
 class ShardState:
-    """Per-model mutable switches (gradient sync for accumulation)."""
+    """Per-model state: how it was sharded, and the gradient-sync switches (accumulation)."""
 
     mesh: DeviceMesh
     strategy: ShardingStrategy
     mixed_precision: MixedPrecisionPolicy
+    grad_sync: GradSync
 
 
 def unshard_param(param: nn.Parameter, spec: ParamShardSpec) -> torch.Tensor:
@@ -63,7 +66,15 @@ def unshard_param(param: nn.Parameter, spec: ParamShardSpec) -> torch.Tensor:
 
 def _param_property(name: str) -> property:
     def get(module: nn.Module) -> torch.Tensor:
-        return unshard_param(module._parameters[name], getattr(module, SPECS_ATTR)[name])
+        param, spec = module._parameters[name], getattr(module, SPECS_ATTR)[name]
+        if param.requires_grad and torch.is_grad_enabled():
+            # Gradient accumulation (no-sync micro-batches, or a pending accumulated gradient)
+            # takes another path; Dynamo guards on the mode, so each mode is its own graph.
+            full = unshard_for_grad_sync(param, param.to_local(), spec,
+                                         getattr(module, GRAD_SYNC_ATTR))
+            if full is not None:
+                return full
+        return unshard_param(param, spec)
 
     return property(get, doc=f"full (unsharded) parameter {name!r}")
 
@@ -170,13 +181,17 @@ def shard(
     for module, name, fqn, param in slots:
         if id(param) not in sharded:
             new_param, spec = _shard_param(param, fqn, mesh, strategy, policy)
+            # Registration order: bucketing packs parameters in it (read by the backend).
+            new_param._graphshard_order = (fqn, len(sharded))
             sharded[id(param)], specs[id(param)] = new_param, spec
         module._parameters[name] = sharded[id(param)]
         per_module.setdefault(module, {})[name] = specs[id(param)]
+    grad_sync = GradSync()
     for module, module_specs in per_module.items():
         object.__setattr__(module, SPECS_ATTR, module_specs)
+        object.__setattr__(module, GRAD_SYNC_ATTR, grad_sync)
         module.__class__ = _sharded_class(type(module), tuple(sorted(module_specs)))
-    object.__setattr__(model, STATE_ATTR, ShardState(mesh, strategy, policy))
+    object.__setattr__(model, STATE_ATTR, ShardState(mesh, strategy, policy, grad_sync))
     return model
 
 

@@ -176,3 +176,78 @@ def module_path(node: fx.Node) -> str:
 
 def prod(values: Iterable[int]) -> int:
     return math.prod(values)
+
+
+# --------------------------------------------------------------------------- reordering helpers
+
+
+def stable_topological_sort(graph: fx.Graph) -> None:
+    """Re-sort so every node follows its inputs, moving as few nodes as possible: a node whose
+    input now comes later is deferred until just after that input (users move down)."""
+    pending = list(reversed(graph.nodes))
+    ready: set[fx.Node] = set()
+    waiting: dict[fx.Node, list[fx.Node]] = {}
+    cursor = None
+    while pending:
+        node = pending.pop()
+        waiting_for = [arg for arg in node.all_input_nodes if arg not in ready]
+        if waiting_for:
+            waiting.setdefault(waiting_for[-1], []).append(node)
+            continue
+        ready.add(node)
+        if cursor is not None and cursor.next is not node:
+            cursor.append(node)
+        cursor = node
+        pending.extend(reversed(waiting.pop(node, ())))
+    if waiting or len(ready) != len(graph.nodes):
+        raise RuntimeError("graph has a cycle; a pass produced an invalid graph")
+
+
+def hoist_before(anchor: fx.Node, node: fx.Node) -> None:
+    """Move `node`, and those of its ancestors placed after `anchor`, to just before `anchor`
+    (keeping their relative order), so `node` can be computed at that point."""
+    order = node_order(anchor.graph)
+    limit = order[anchor]
+    to_move: set[fx.Node] = set()
+    stack = [node]
+    while stack:
+        current = stack.pop()
+        if current in to_move or order[current] < limit:
+            continue
+        if current.op == "placeholder":
+            raise ValueError(f"cannot hoist {node.name}: placeholder {current.name} is after the anchor")
+        to_move.add(current)
+        stack.extend(current.all_input_nodes)
+    for moved in sorted(to_move, key=order.__getitem__):
+        anchor.prepend(moved)
+
+
+def depends_only_on_inputs(node: fx.Node) -> bool:
+    """True if `node` is computed from graph inputs by plain ops alone (no collective on the
+    way), so it can be moved to any earlier point."""
+    stack, seen = [node], set()
+    while stack:
+        current = stack.pop()
+        if current in seen:
+            continue
+        seen.add(current)
+        if current.op in ("placeholder", "get_attr"):
+            continue
+        if current.op != "call_function" or is_collective(current) or is_wait(current):
+            return False
+        stack.extend(current.all_input_nodes)
+    return True
+
+
+def unit_of(param_name: str) -> str | None:
+    """The repeated block a parameter belongs to: its name up to the first numeric component
+    ("layers.3.attention.wq.weight" -> "layers.3"); None outside repeated blocks."""
+    parts = param_name.split(".")
+    for index, part in enumerate(parts[:-1]):
+        if part.isdigit():
+            return ".".join(parts[: index + 1])
+    return None
+
+
+def collective_params(node: fx.Node) -> tuple[str, ...]:
+    return tuple(node.meta.get("graphshard_params", ()))

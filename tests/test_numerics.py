@@ -9,6 +9,8 @@ from tests.workers import reference_zoo, train_zoo
 
 STEPS = 5
 STRATEGIES = ("full_shard", "shard_grad_op", "no_shard")
+PASSES_ON = {"compiler": "eager"}  # defaults: bucketing and reordering on
+PASSES_OFF = {"compiler": "eager", "bucket_mb": 0, "reorder": False}
 
 
 def _check(results, reference, tol=1e-5):
@@ -22,9 +24,9 @@ def _check(results, reference, tol=1e-5):
 
 @pytest.mark.parametrize("world_size", [2, 3])
 def test_matches_single_process_eager_and_compiled_without_inductor(world_size):
-    # options None: eager; {"compiler": "eager"}: torch.compile with graphshard's passes, the
+    # options None: eager; PASSES_*: torch.compile with graphshard's passes on / off, the
     # resulting graphs run without Inductor. One spawn for all configs keeps the test cheap.
-    configs = [(s, o) for s in STRATEGIES for o in (None, {"compiler": "eager"})]
+    configs = [(s, o) for s in STRATEGIES for o in (None, PASSES_ON, PASSES_OFF)]
     reference = reference_zoo(STEPS)
     per_rank = run_local(train_zoo, world_size, configs, STEPS)
     for rank_results in per_rank:

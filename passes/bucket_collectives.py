@@ -1,0 +1,194 @@
+"""Bucket per-parameter collectives into one collective per unit (a repeated block).
+
+Units come from the graph itself: each collective names its parameters, and a parameter's unit
+is its repeated block (`layers.3.*` -> `layers.3`); consecutive collectives outside repeated
+blocks (embeddings before, norm and head after) form the leftover units. Within a unit,
+collectives of the same kind, process group and dtype become one collective on one flat buffer,
+packed in parameter registration order (FSDP2's copy-in / copy-out layout):
+
+    all-gather:      cat(flat shards) -> all_gather -> wait -> view (N, S) -> per-param columns
+    reduce-scatter:  per-param (N, n_i) views -> cat(dim=1) -> reduce_scatter -> wait -> split
+    all-reduce:      cat(flat grads) -> all_reduce -> wait -> split
+
+A size cap (bucket_mb, unsharded bytes) splits large units; different dtypes never share one.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Mapping
+
+import torch.fx as fx
+
+from passes.graph_utils import (
+    ALL_GATHER,
+    ALL_REDUCE,
+    REDUCE_SCATTER,
+    WAIT,
+    GraphEmitter,
+    aten,
+    collective_group,
+    collective_kind,
+    collective_params,
+    depends_only_on_inputs,
+    fake_mode_of,
+    hoist_before,
+    is_collective,
+    node_order,
+    stable_sort_and_check,
+    stable_topological_sort,
+    unit_of,
+    unsharded_bytes,
+    wait_of,
+)
+
+
+@dataclass
+class Bucket:
+    kind: str
+    unit: str
+    members: list[fx.Node] = field(default_factory=list)  # collectives, packing order
+
+    @property
+    def nbytes(self) -> int:
+        return sum(unsharded_bytes(m) for m in self.members)
+
+
+def _unit_label(node: fx.Node) -> str | None:
+    params = collective_params(node)
+    return unit_of(params[0]) if params else None
+
+
+def plan_buckets(gm: fx.GraphModule, cap_bytes: float,
+                 param_order: Mapping[str, int] | None = None) -> list[Bucket]:
+    """Group the graph's collectives into buckets (pure planning, no graph change)."""
+    param_order = param_order or {}
+    order = node_order(gm.graph)
+    collectives = [n for n in gm.graph.nodes if is_collective(n)]
+    # Consecutive runs (per kind, group and dtype) of collectives in the same unit; runs of
+    # collectives outside repeated blocks are leftover units ("<other 1>", "<other 2>", ...).
+    runs: list[Bucket] = []
+    open_run: dict[tuple, tuple[str | None, Bucket]] = {}
+    leftovers = 0
+    for node in collectives:
+        kind = collective_kind(node)
+        key = (kind, collective_group(node)[0], node.args[0].meta["val"].dtype)
+        unit = _unit_label(node)
+        if key not in open_run or open_run[key][0] != unit:
+            if unit is None:
+                leftovers += 1
+            run = Bucket(kind, unit if unit is not None else f"<other {leftovers}>")
+            runs.append(run)
+            open_run[key] = (unit, run)
+        open_run[key][1].members.append(node)
+
+    def packing_key(node: fx.Node):
+        params = collective_params(node)
+        return (min((param_order.get(p, math.inf) for p in params), default=math.inf), order[node])
+
+    buckets: list[Bucket] = []
+    for run in runs:
+        members = sorted(run.members, key=packing_key)
+        current = Bucket(run.kind, run.unit)
+        for member in members:
+            size = unsharded_bytes(member)
+            if current.members and cap_bytes and current.nbytes + size > cap_bytes:
+                buckets.append(current)
+                current = Bucket(run.kind, run.unit)
+            current.members.append(member)
+        buckets.append(current)
+    return buckets
+
+
+def _bucket_meta(bucket: Bucket) -> dict:
+    first = bucket.members[0]
+    meta = {key: first.meta[key] for key in ("nn_module_stack", "stack_trace") if key in first.meta}
+    meta["graphshard_params"] = tuple(p for m in bucket.members for p in collective_params(m))
+    meta["graphshard_role"] = first.meta.get("graphshard_role")
+    meta["graphshard_bucket"] = bucket.unit
+    return meta
+
+
+def _rewrite_all_gather(gm: fx.GraphModule, bucket: Bucket, fake_mode) -> None:
+    members = bucket.members
+    first = min(members, key=node_order(gm.graph).__getitem__)
+    for member in members:
+        hoist_before(first, member.args[0])
+    _, group_size = collective_group(first)
+    group_name = first.args[2]
+    emit = GraphEmitter(gm.graph, fake_mode, _bucket_meta(bucket))
+    with gm.graph.inserting_before(first):
+        shards = [m.args[0] for m in members]
+        numels = [s.meta["val"].numel() for s in shards]
+        flat = emit(aten.cat.default, [emit(aten.reshape.default, s, [-1]) for s in shards])
+        gathered = emit(WAIT, emit(ALL_GATHER, flat, group_size, group_name))
+        rows = emit(aten.view.default, gathered, [group_size, sum(numels)])
+        offset = 0
+        outputs = []
+        for member, numel in zip(members, numels):
+            columns = emit(aten.slice.Tensor, rows, 1, offset, offset + numel)
+            full_shape = list(member.meta["val"].shape)
+            # copy-out: (N, n_i) columns -> (N * rows_i, *rest), contiguous per parameter
+            outputs.append(emit(aten.clone.default, emit(aten.reshape.default, columns, full_shape)))
+            offset += numel
+    for member, out in zip(members, outputs):
+        waited = wait_of(member)
+        waited.replace_all_uses_with(out)
+        gm.graph.erase_node(waited)
+        gm.graph.erase_node(member)
+
+
+def _rewrite_reduce(gm: fx.GraphModule, bucket: Bucket, fake_mode) -> None:
+    members = bucket.members
+    order = node_order(gm.graph)
+    last_input = max((m.args[0] for m in members), key=order.__getitem__)
+    first = members[0]
+    group_name, group_size = collective_group(first)
+    emit = GraphEmitter(gm.graph, fake_mode, _bucket_meta(bucket))
+    is_scatter = first.target is REDUCE_SCATTER
+    with gm.graph.inserting_after(last_input):
+        inputs = [m.args[0] for m in members]
+        if is_scatter:
+            # each input is (N * rows_i, ...): rank r's share is row block r -> columns of (N, S)
+            views = [emit(aten.reshape.default, x, [group_size, -1]) for x in inputs]
+            numels = [v.meta["val"].shape[1] for v in views]
+            flat = emit(aten.reshape.default, emit(aten.cat.default, views, 1), [-1])
+            reduced = emit(WAIT, emit(REDUCE_SCATTER, flat, "sum", group_size, group_name))
+        else:
+            flats = [emit(aten.reshape.default, x, [-1]) for x in inputs]
+            numels = [f.meta["val"].shape[0] for f in flats]
+            reduced = emit(WAIT, emit(ALL_REDUCE, emit(aten.cat.default, flats), "sum", group_name))
+            reduced.args[0].meta["graphshard_group_size"] = group_size
+        offset = 0
+        outputs = []
+        for member, numel in zip(members, numels):
+            piece = emit(aten.slice.Tensor, reduced, 0, offset, offset + numel)
+            outputs.append(emit(aten.clone.default,
+                                emit(aten.reshape.default, piece, list(member.meta["val"].shape))))
+            offset += numel
+    for member, out in zip(members, outputs):
+        waited = wait_of(member)
+        waited.replace_all_uses_with(out)
+        gm.graph.erase_node(waited)
+        gm.graph.erase_node(member)
+
+
+def bucket_collectives(gm: fx.GraphModule, ctx=None) -> fx.GraphModule:
+    """Merge each bucket's collectives into one (see module docstring)."""
+    cap_mb = getattr(getattr(ctx, "options", None), "bucket_mb", 0)
+    if not cap_mb:
+        return gm
+    param_order = getattr(ctx, "param_order", None)
+    fake_mode = fake_mode_of(gm)
+    for bucket in plan_buckets(gm, cap_mb * 2**20, param_order):
+        if len(bucket.members) < 2:
+            continue
+        if bucket.kind == "all_gather":
+            if not all(depends_only_on_inputs(m.args[0]) for m in bucket.members):
+                continue  # unusual graph: a gather input computed mid-graph; leave it alone
+            _rewrite_all_gather(gm, bucket, fake_mode)
+        else:
+            _rewrite_reduce(gm, bucket, fake_mode)
+    stable_topological_sort(gm.graph)
+    return stable_sort_and_check(gm)

@@ -1,0 +1,145 @@
+"""Reorder collectives so communication hides behind compute, within a memory budget.
+
+One mechanism, three policies (all inputs of the pass):
+- all-gather waits sink to just before the first use of their result (copy-outs with them);
+- all-gathers are prefetched: bucket k is issued right after bucket k-d is waited on, i.e.
+  before unit k-d's compute, for d <= `prefetch`. Of the allowed depths the pass takes the
+  shallowest whose compute (by the cost model) covers the gather's time, holding memory no longer
+  than needed, and never one that would put more than `max_inflight_mb` of prefetched
+  (issued, not yet needed) unsharded bytes in flight. Budget 0 means no prefetch;
+- reduce-scatters / all-reduces are issued as soon as their gradients exist and waited on just
+  before the next one is issued (at most one in flight), so the wait never blocks the next
+  unit's compute.
+Nodes only move within what their data dependencies allow; the graph stays topologically valid.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Callable
+
+import torch.fx as fx
+
+from passes.graph_utils import (
+    collective_kind,
+    hoist_before,
+    is_collective,
+    is_wait,
+    node_order,
+    stable_sort_and_check,
+    stable_topological_sort,
+    unsharded_bytes,
+    wait_of,
+)
+
+NodeSeconds = Callable[[fx.Node], float]
+
+
+@dataclass(frozen=True)
+class ReorderPolicy:
+    prefetch: int = 1  # max units ahead an all-gather may be issued
+    max_inflight_bytes: float = math.inf  # prefetched unsharded bytes in flight at once
+    compute_seconds: NodeSeconds | None = None  # cost model; None: always prefetch fully
+    collective_seconds: NodeSeconds | None = None
+
+
+def _output_chain(wait: fx.Node) -> list[fx.Node]:
+    """Nodes our passes emitted after a collective's wait (narrow, copy-out, casts): they move
+    with the wait. Identified by sharing the collective's graphshard provenance."""
+    role = wait.meta.get("graphshard_role")
+    chain, frontier = [], [wait]
+    while frontier:
+        node = frontier.pop()
+        for user in node.users:
+            if (user.op == "call_function" and user.meta.get("graphshard_role") == role
+                    and user.meta.get("graphshard_params") == wait.meta.get("graphshard_params")
+                    and not is_collective(user) and not is_wait(user) and user not in chain):
+                chain.append(user)
+                frontier.append(user)
+    return chain
+
+
+def _sink_to_first_use(nodes: list[fx.Node]) -> None:
+    """Move each node to just before its earliest user (last nodes first, so chains stay whole)."""
+    order = node_order(nodes[0].graph)
+    for node in sorted(nodes, key=order.__getitem__, reverse=True):
+        if not node.users:
+            continue
+        order = node_order(node.graph)
+        first_user = min(node.users, key=order.__getitem__)
+        if order[first_user] > order[node] + 1:
+            first_user.prepend(node)
+
+
+def sink_gather_waits(gm: fx.GraphModule) -> None:
+    for collective in [n for n in gm.graph.nodes if is_collective(n) and collective_kind(n) == "all_gather"]:
+        wait = wait_of(collective)
+        _sink_to_first_use([wait, *_output_chain(wait)])
+
+
+def _compute_between(gm: fx.GraphModule, start: fx.Node, end: fx.Node, seconds: NodeSeconds) -> float:
+    total, node = 0.0, start.next
+    while node is not end and node.op != "root":
+        if not is_collective(node) and not is_wait(node):
+            total += seconds(node)
+        node = node.next
+    return total
+
+
+def prefetch_all_gathers(gm: fx.GraphModule, policy: ReorderPolicy) -> None:
+    gathers = [n for n in gm.graph.nodes if is_collective(n) and collective_kind(n) == "all_gather"]
+    # prefetched intervals so far, as (issue node, original issue node, bytes)
+    intervals: list[tuple[fx.Node, fx.Node, int]] = []
+    for index, gather in enumerate(gathers):
+        if policy.prefetch == 0 or policy.max_inflight_bytes <= 0:
+            break
+        wait = wait_of(gather)
+        nbytes = unsharded_bytes(gather)
+        candidates = []  # deepest first
+        for depth in range(min(policy.prefetch, index), 0, -1):
+            anchor = wait_of(gathers[index - depth]).next  # just after the earlier bucket's wait
+            candidates.append(anchor)
+        order = node_order(gm.graph)
+        candidates = [a for a in candidates if order[a] < order[gather]]
+        if not candidates:
+            continue
+
+        def inflight_at(anchor: fx.Node) -> int:
+            # most prefetched bytes simultaneously in flight if this gather is issued at anchor
+            lo, hi = order[anchor], order[gather]
+            return nbytes + sum(b for start, end, b in intervals
+                                if order[start] < hi and order[end] > lo)
+
+        allowed = [a for a in candidates if inflight_at(a) <= policy.max_inflight_bytes]
+        if not allowed:
+            continue
+        chosen = allowed[0]
+        if policy.compute_seconds and policy.collective_seconds:
+            needed = policy.collective_seconds(gather)
+            for anchor in reversed(allowed):  # shallowest first: hold memory only as needed
+                if _compute_between(gm, anchor, wait, policy.compute_seconds) >= needed:
+                    chosen = anchor
+                    break
+        original_position = gather.next
+        hoist_before(chosen, gather)
+        intervals.append((gather, original_position, nbytes))
+
+
+def delay_reduction_waits(gm: fx.GraphModule) -> None:
+    reductions = [n for n in gm.graph.nodes if is_collective(n) and collective_kind(n) != "all_gather"]
+    output = next(n for n in reversed(gm.graph.nodes) if n.op == "output")
+    for index, collective in enumerate(reductions):
+        wait = wait_of(collective)
+        # wait just before the next reduction is issued (or at the end): never block compute
+        anchor = reductions[index + 1] if index + 1 < len(reductions) else output
+        if wait.next is not anchor:
+            anchor.prepend(wait)
+    stable_topological_sort(gm.graph)  # users of moved waits follow them down
+
+
+def reorder_collectives(gm: fx.GraphModule, policy: ReorderPolicy) -> fx.GraphModule:
+    sink_gather_waits(gm)
+    prefetch_all_gathers(gm, policy)
+    delay_reduction_waits(gm)
+    return stable_sort_and_check(gm)
