@@ -1,7 +1,8 @@
 """Reorder collectives so communication hides behind compute, within a memory budget.
 
 One mechanism, three policies (all inputs of the pass):
-- all-gather waits sink to just before the first use of their result (copy-outs with them);
+- all-gather waits sink to just before the first use of their result (copy-outs with them),
+  and each all-gather to just before its wait: the no-prefetch baseline;
 - all-gathers are prefetched: bucket k is issued right after bucket k-d is waited on, i.e.
   before unit k-d's compute, for d <= `prefetch`. Of the allowed depths the pass takes the
   shallowest whose compute (by the cost model) covers the gather's time, holding memory no longer
@@ -60,22 +61,27 @@ def _output_chain(wait: fx.Node) -> list[fx.Node]:
     return chain
 
 
-def _sink_to_first_use(nodes: list[fx.Node]) -> None:
-    """Move each node to just before its earliest user (last nodes first, so chains stay whole)."""
+def _sink_block(nodes: list[fx.Node]) -> None:
+    """Move a wait and its copy-out chain, as one block, to just before the first node outside
+    the block that uses any of them. As a block: copying out one parameter at a time would keep
+    the whole gathered buffer alive next to the copies."""
+    block = set(nodes)
+    outside_users = [user for node in nodes for user in node.users if user not in block]
+    if not outside_users:
+        return
     order = node_order(nodes[0].graph)
-    for node in sorted(nodes, key=order.__getitem__, reverse=True):
-        if not node.users:
-            continue
-        order = node_order(node.graph)
-        first_user = min(node.users, key=order.__getitem__)
-        if order[first_user] > order[node] + 1:
-            first_user.prepend(node)
+    first_user = min(outside_users, key=order.__getitem__)
+    for node in sorted(nodes, key=order.__getitem__):
+        first_user.prepend(node)
 
 
 def sink_gather_waits(gm: fx.GraphModule) -> None:
     for collective in [n for n in gm.graph.nodes if is_collective(n) and collective_kind(n) == "all_gather"]:
         wait = wait_of(collective)
-        _sink_to_first_use([wait, *_output_chain(wait)])
+        _sink_block([wait, *_output_chain(wait)])
+        # Start from "issue at first use" (the partitioner may have placed a recomputed gather
+        # anywhere earlier); prefetching then happens only by policy, within the budget.
+        wait.prepend(collective)
 
 
 def _compute_between(gm: fx.GraphModule, start: fx.Node, end: fx.Node, seconds: NodeSeconds) -> float:

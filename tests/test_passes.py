@@ -1,0 +1,230 @@
+"""Bucketing and reordering: hand-built FX graphs and graphs captured at world sizes 8 and 64."""
+
+from __future__ import annotations
+
+import math
+from types import SimpleNamespace
+
+import pytest
+import torch
+import torch.fx as fx
+from torch._subclasses.fake_tensor import FakeTensorMode
+
+from graphshard.cost_model import memory_estimate
+from graphshard.models import build_model
+from graphshard.options import GraphshardOptions
+from passes.bucket_collectives import bucket_collectives, plan_buckets
+from passes.graph_utils import (
+    ALL_GATHER, REDUCE_SCATTER, WAIT, GraphEmitter, aten, collective_params, is_collective,
+    is_wait, node_order, wait_of,
+)
+from passes.insert_collectives import lower_reduce_grad, lower_unshard
+from passes.reorder_collectives import ReorderPolicy, reorder_collectives
+from tests.capture import call_nodes, capture_step
+
+MB = 2**20
+
+
+# --------------------------------------------------------------------------- hand-built graphs
+
+
+def gather_graph(world: int, params, use_order=None, backward=False) -> fx.GraphModule:
+    """A graph that gathers each (name, full_shape, dtype) parameter's shard and uses it in one
+    compute node (a matmul-like sum), in `use_order`; with backward=True also reduce-scatters a
+    gradient per parameter."""
+    graph, mode = fx.Graph(), FakeTensorMode()
+    shards = {}
+    for name, shape, dtype in params:
+        node = graph.placeholder(name.replace(".", "_"))
+        rows = math.ceil(shape[0] / world)
+        with mode:
+            node.meta["val"] = torch.empty((rows, *shape[1:]), dtype=dtype)
+        shards[name] = (node, shape, dtype)
+    outputs = []
+    for name in use_order or [p[0] for p in params]:
+        shard, shape, dtype = shards[name]
+        emit = GraphEmitter(graph, mode, {"graphshard_params": (name,), "graphshard_role": "unshard"})
+        full = lower_unshard(emit, shard, shape[0], "0", world, None)
+        compute = GraphEmitter(graph, mode)
+        out = compute(aten.mul.Tensor, full, 2.0)
+        outputs.append(out)
+        if backward:
+            emit = GraphEmitter(graph, mode, {"graphshard_params": (name,), "graphshard_role": "reduce_grad"})
+            outputs.append(lower_reduce_grad(emit, out, shard.meta["val"].shape[0], ["0"], [world],
+                                             True, None, dtype))
+    graph.output(tuple(outputs))
+    return fx.GraphModule(torch.nn.Module(), graph)
+
+
+def ctx(**options):
+    return SimpleNamespace(options=GraphshardOptions(**options), param_order={})
+
+
+def test_size_cap_splits_a_unit_into_ceil_total_over_cap_buckets():
+    # 10 parameters of 1 MiB each in one block; a 3 MiB cap -> ceil(10 / 3) = 4 buckets
+    params = [(f"layers.0.w{i}", (256, 1024), torch.float32) for i in range(10)]
+    gm = bucket_collectives(gather_graph(8, params), ctx(bucket_mb=3))
+    gathers = call_nodes(gm, ALL_GATHER)
+    assert len(gathers) == 4
+    assert [len(collective_params(g)) for g in gathers] == [3, 3, 3, 1]
+    # no cap (a large one) -> one bucket for the unit
+    gm = bucket_collectives(gather_graph(8, params), ctx(bucket_mb=1000))
+    assert len(call_nodes(gm, ALL_GATHER)) == 1
+
+
+def test_packing_follows_registration_order_not_use_order():
+    params = [(f"layers.0.w{i}", (16, 8), torch.float32) for i in range(4)]
+    use = ["layers.0.w2", "layers.0.w0", "layers.0.w3", "layers.0.w1"]
+    order = {name: index for index, (name, _, _) in enumerate(params)}
+    gm = gather_graph(8, params, use_order=use)
+    context = SimpleNamespace(options=GraphshardOptions(bucket_mb=64), param_order=order)
+    (gather,) = call_nodes(bucket_collectives(gm, context), ALL_GATHER)
+    assert collective_params(gather) == tuple(name for name, _, _ in params)
+
+
+def test_dtypes_never_share_a_buffer():
+    params = [("layers.0.a", (16, 8), torch.float32), ("layers.0.b", (16, 8), torch.bfloat16),
+              ("layers.0.c", (16, 8), torch.float32)]
+    gm = bucket_collectives(gather_graph(8, params, backward=True), ctx(bucket_mb=64))
+    gathers = call_nodes(gm, ALL_GATHER)
+    assert sorted((str(g.meta["val"].dtype), collective_params(g)) for g in gathers) == [
+        ("torch.bfloat16", ("layers.0.b",)), ("torch.float32", ("layers.0.a", "layers.0.c"))]
+    scattered = sorted((str(rs.args[0].meta["val"].dtype), collective_params(rs))
+                       for rs in call_nodes(gm, REDUCE_SCATTER))
+    assert scattered == [("torch.bfloat16", ("layers.0.b",)),
+                         ("torch.float32", ("layers.0.a", "layers.0.c"))]
+
+
+def test_units_are_blocks_plus_leftovers_before_and_after():
+    names = ["emb.weight", "layers.0.w", "layers.0.v", "layers.1.w", "layers.1.v", "norm.weight", "head.weight"]
+    gm = gather_graph(8, [(n, (8, 4), torch.float32) for n in names])
+    units = [b.unit for b in plan_buckets(gm, 0)]
+    assert units == ["<other 1>", "layers.0", "layers.1", "<other 2>"]
+
+
+def test_bucketed_graph_is_valid_and_uneven_shards_keep_their_shapes():
+    params = [("layers.0.a", (11, 3), torch.float32), ("layers.0.b", (5,), torch.float32),
+              ("layers.0.c", (1, 7), torch.float32)]
+    before = gather_graph(4, params, backward=True)
+    shapes = [tuple(v.meta["val"].shape) for v in before.graph.output_node().args[0]]
+    after = bucket_collectives(before, ctx(bucket_mb=64))
+    after.graph.lint()
+    assert [tuple(v.meta["val"].shape) for v in after.graph.output_node().args[0]] == shapes
+    assert len(call_nodes(after, ALL_GATHER)) == 1 and len(call_nodes(after, REDUCE_SCATTER)) == 1
+
+
+def _compute_nodes_between(gm, start, end):
+    order = node_order(gm.graph)
+    return [n for n in gm.graph.nodes if order[start] < order[n] < order[end]
+            and n.op == "call_function" and n.meta.get("graphshard_role") is None]
+
+
+def test_prefetch_issues_next_gather_before_current_compute_and_budget_zero_disables_it():
+    names = [f"layers.{i}.w" for i in range(4)]
+    params = [(n, (64, 64), torch.float32) for n in names]
+    unit_bytes = 64 * 64 * 4
+    gm = reorder_collectives(bucket_collectives(gather_graph(8, params), ctx(bucket_mb=64)),
+                             ReorderPolicy(prefetch=1))
+    gm.graph.lint()
+    gathers = call_nodes(gm, ALL_GATHER)
+    order = node_order(gm.graph)
+    for previous, current in zip(gathers, gathers[1:]):
+        # issued before the previous unit's compute (nothing computed since its wait), and the
+        # previous unit's compute runs while it is in flight
+        assert order[wait_of(previous)] < order[current]
+        assert _compute_nodes_between(gm, wait_of(previous), current) == []
+        assert _compute_nodes_between(gm, current, wait_of(current))
+    # budget 0: nothing is prefetched; no compute between a gather and its wait
+    gm0 = reorder_collectives(bucket_collectives(gather_graph(8, params), ctx(bucket_mb=64)),
+                              ReorderPolicy(prefetch=1, max_inflight_bytes=0))
+    for gather in call_nodes(gm0, ALL_GATHER):
+        assert _compute_nodes_between(gm0, gather, wait_of(gather)) == []
+    # prefetch depth 2 with a budget of one unit behaves like depth 1 (never two in flight)
+    gm2 = reorder_collectives(bucket_collectives(gather_graph(8, params), ctx(bucket_mb=64)),
+                              ReorderPolicy(prefetch=2, max_inflight_bytes=unit_bytes))
+    assert _inflight_peak(gm2) <= unit_bytes
+    gm3 = reorder_collectives(bucket_collectives(gather_graph(8, params), ctx(bucket_mb=64)),
+                              ReorderPolicy(prefetch=2))
+    assert _inflight_peak(gm3) == 2 * unit_bytes
+
+
+def _inflight_peak(gm) -> int:
+    """Most gathered bytes in flight (issued, not yet waited on) while compute runs: the
+    prefetched bytes the budget bounds."""
+    peak = current = 0
+    for node in gm.graph.nodes:
+        if is_collective(node) and node.target is ALL_GATHER:
+            current += node.meta["val"].numel() * node.meta["val"].element_size()
+        elif is_wait(node) and node.args[0].target is ALL_GATHER:
+            current -= node.meta["val"].numel() * node.meta["val"].element_size()
+        elif node.op == "call_function" and node.meta.get("graphshard_role") is None:
+            peak = max(peak, current)
+    return peak
+
+
+# --------------------------------------------------------------------------- captured graphs
+
+
+def _transformer(**kw):
+    return build_model("transformer", dim=64, n_layers=4, vocab_size=64, batch=8, seq_len=8, **kw)
+
+
+def test_captured_transformer_has_one_collective_per_unit(fake_pg):
+    model, inputs, loss_fn = _transformer()
+    graphs = capture_step(model, inputs, loss_fn)
+    fwd, bwd = graphs[("forward", "scheduled")], graphs[("backward", "scheduled")]
+    units = 4 + 2  # four blocks, embeddings before, norm + head after
+    fwd_gathers = call_nodes(fwd, ALL_GATHER)
+    assert len(fwd_gathers) == units
+    assert [g.meta["graphshard_bucket"] for g in fwd_gathers][1:5] == [f"layers.{i}" for i in range(4)]
+    # backward: one gather per unit that needs weights (embeddings do not), one RS per unit
+    assert len(call_nodes(bwd, ALL_GATHER)) == units - 1
+    scatters = call_nodes(bwd, REDUCE_SCATTER)
+    assert len(scatters) == units
+    assert [s.meta["graphshard_bucket"] for s in scatters][1:5] == [f"layers.{i}" for i in (3, 2, 1, 0)]
+    total = len(fwd_gathers) + len(call_nodes(bwd, ALL_GATHER)) + len(scatters)
+    assert total <= 3 * units
+    # forward gathers: packed bytes = the parameters' padded sizes, all parameters covered
+    covered = sorted(p for g in fwd_gathers for p in collective_params(g))
+    assert covered == sorted(n for n, _ in model.named_parameters())
+
+
+def test_captured_backward_prefetches_gathers_and_delays_reduce_scatter_waits(fake_pg):
+    model, inputs, loss_fn = _transformer()
+    bwd = capture_step(model, inputs, loss_fn)[("backward", "scheduled")]
+    order = node_order(bwd.graph)
+    gathers = call_nodes(bwd, ALL_GATHER)
+    for previous, current in zip(gathers, gathers[1:]):
+        assert _compute_nodes_between(bwd, wait_of(previous), current) == []
+        assert _compute_nodes_between(bwd, current, wait_of(current))
+    scatters = call_nodes(bwd, REDUCE_SCATTER)
+    for current, following in zip(scatters, scatters[1:]):
+        wait = wait_of(current)
+        assert order[current] < order[wait] < order[following]
+        # the wait does not block the next unit's compute: compute runs while it is in flight
+        assert _compute_nodes_between(bwd, current, wait)
+
+
+def test_predicted_peak_stays_within_baseline_plus_budget(fake_pg):
+    budget_mb = 0.1
+    model, inputs, loss_fn = _transformer()
+    graphs = capture_step(model, inputs, loss_fn, options={"max_inflight_mb": budget_mb, "prefetch": 2})
+    for kind in ("forward", "backward"):
+        baseline = memory_estimate(graphs[(kind, "bucketed")]).peak_bytes
+        scheduled = memory_estimate(graphs[(kind, "scheduled")]).peak_bytes
+        assert scheduled <= baseline + budget_mb * MB
+        assert _inflight_peak(graphs[(kind, "scheduled")]) <= budget_mb * MB
+
+
+@pytest.mark.parametrize("fake_pg", [64], indirect=True)
+def test_world_size_64_llama_buckets_per_block(fake_pg):
+    model, inputs, loss_fn = build_model("llama", n_layers=3, dim=64, n_heads=4, n_kv_heads=2,
+                                         ffn_hidden=128, vocab_size=128, batch=2, seq_len=8)
+    graphs = capture_step(model, inputs, loss_fn)
+    fwd = graphs[("forward", "scheduled")]
+    gathers = call_nodes(fwd, ALL_GATHER)
+    assert len(gathers) == 3 + 2
+    for gather in gathers:  # every bucket gathers over 64 ranks
+        assert gather.args[1] == 64
+    rs = call_nodes(graphs[("backward", "scheduled")], REDUCE_SCATTER)
+    assert len(rs) == 5 and all(node.args[2] == 64 for node in rs)
