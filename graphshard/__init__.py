@@ -4,7 +4,12 @@
     model = torch.compile(model, backend="graphshard")    # collectives inserted as FX passes
 """
 
+from graphshard.grad_sync import no_sync, set_requires_all_reduce, set_requires_gradient_sync
+from graphshard.init import materialize
 from graphshard.policy import MixedPrecisionPolicy, ShardingStrategy
 from graphshard.sharding import is_sharded, shard
 
-__all__ = ["shard", "is_sharded", "MixedPrecisionPolicy", "ShardingStrategy"]
+__all__ = [
+    "shard", "is_sharded", "MixedPrecisionPolicy", "ShardingStrategy",
+    "no_sync", "set_requires_gradient_sync", "set_requires_all_reduce", "materialize",
+]

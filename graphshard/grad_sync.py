@@ -1,0 +1,256 @@
+"""Gradient accumulation: skip gradient reduction on non-final micro-batches (like FSDP2's
+`set_requires_gradient_sync` / `set_requires_all_reduce`).
+
+    with graphshard.no_sync(model):          # micro-batches 1..K-1: gather, no reduce-scatter
+        for batch in micro_batches[:-1]:
+            (loss_fn(model(batch)) / K).backward()
+    (loss_fn(model(micro_batches[-1])) / K).backward()   # one reduction of the summed gradient
+    optimizer.step()
+
+How it is built, without mutating anything inside a backward graph (AOTAutograd cannot):
+- Each parameter gets an accumulation *leaf*: a zero-cost (stride-0) tensor of the full shape
+  (or, for `replica_only`, the shard's shape) that requires grad. In no-sync mode the parameter
+  read is `_UnshardNoSync(local, leaf)`: the forward is the ordinary `graphshard::unshard` marker,
+  the backward hands the full gradient to the leaf, so autograd's own accumulation sums the
+  micro-batches into `leaf.grad`, and the sharded parameter gets no gradient at all.
+- Turning sync back on moves each `leaf.grad` to `pending`. In the next synced forward the
+  first read of a parameter pops its pending gradient and goes through `_UnshardWithPending`,
+  which takes it as an extra input and adds it (in the reduce dtype) before the ordinary
+  `graphshard::reduce_grad` marker: one reduction per step. Popping at the read, not clearing
+  after the backward, means a parameter read twice (tied, or a module called twice) adds it
+  once, and no hook has to run after the backward.
+- Under torch.compile the property reads the mode and the pending dict; Dynamo guards on
+  both (and replays the pop after the graph), so each mode compiles to its own graph once.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import enum
+from dataclasses import dataclass, field
+from typing import Iterator
+
+import torch
+import torch.nn as nn
+
+from graphshard import ops  # noqa: F401  (registers torch.ops.graphshard.*)
+
+
+class SyncMode(enum.Enum):
+    SYNC = "sync"  # reduce-scatter (+ all-reduce across replicas) every backward
+    NO_SYNC = "no_sync"  # no reduction: full gradients accumulate locally
+    NO_ALL_REDUCE = "no_all_reduce"  # hybrid: reduce-scatter in the group, no cross-group AR
+
+
+@dataclass
+class GradSync:
+    """Mutable per-model switches and accumulation buffers, shared by every sharded module."""
+
+    requires_gradient_sync: bool = True
+    requires_all_reduce: bool = True
+    full_leaves: dict[str, torch.Tensor] = field(default_factory=dict)  # fqn -> full-shape leaf
+    partial_leaves: dict[str, torch.Tensor] = field(default_factory=dict)  # fqn -> shard leaf
+    # Accumulated gradients waiting for the next synced forward, which takes them (pop).
+    full_pending: dict[str, torch.Tensor] = field(default_factory=dict)
+    partial_pending: dict[str, torch.Tensor] = field(default_factory=dict)
+
+    @property
+    def mode(self) -> SyncMode:
+        if not self.requires_gradient_sync:
+            return SyncMode.NO_SYNC
+        if not self.requires_all_reduce:
+            return SyncMode.NO_ALL_REDUCE
+        return SyncMode.SYNC
+
+    def release(self, partial: bool) -> None:
+        """Move the leaves' accumulated gradients to `pending` for the next synced forward."""
+        leaves, pending = ((self.partial_leaves, self.partial_pending) if partial
+                           else (self.full_leaves, self.full_pending))
+        for name, leaf in leaves.items():
+            if leaf.grad is not None:
+                pending[name] = leaf.grad if name not in pending else pending[name] + leaf.grad
+                leaf.grad = None
+
+    def accumulating(self, partial: bool) -> bool:
+        leaves, pending = ((self.partial_leaves, self.partial_pending) if partial
+                           else (self.full_leaves, self.full_pending))
+        return bool(pending) or any(leaf.grad is not None for leaf in leaves.values())
+
+
+def _accumulation_leaf(shape: torch.Size, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    # Stride 0: the leaf itself costs one element; only its .grad is full size.
+    return torch.zeros((), dtype=dtype, device=device).expand(shape).requires_grad_()
+
+
+# --------------------------------------------------------------------------- autograd functions
+#
+# Both forwards are the ordinary unshard marker, so the backend's passes lower, tag (reshard
+# policy) and bucket them like any other gather; only the backward differs.
+
+
+def _gather(local: torch.Tensor, spec) -> torch.Tensor:
+    return torch.ops.graphshard.unshard(
+        local, spec.full_dim0, spec.gather_group, spec.gather_size, spec.compute_dtype,
+        spec.reshard_after_forward, list(spec.reduce_groups), list(spec.reduce_sizes),
+        spec.scatter, spec.reduce_dtype, spec.name,
+    )
+
+
+def _reduce(grad, local_dim0, spec, groups: slice, scatter: bool, out_dtype):
+    return torch.ops.graphshard.reduce_grad(
+        grad, local_dim0, list(spec.reduce_groups[groups]), list(spec.reduce_sizes[groups]),
+        scatter, spec.reduce_dtype, out_dtype, spec.name,
+    )
+
+
+class _UnshardNoSync(torch.autograd.Function):
+    """Gather; backward: full gradient to the accumulation leaf (no reduction)."""
+
+    @staticmethod
+    def forward(ctx, local, leaf, spec):
+        ctx.leaf_dtype = leaf.dtype
+        return _gather(local, spec)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return None, grad.to(ctx.leaf_dtype), None
+
+
+class _UnshardNoAllReduce(torch.autograd.Function):
+    """Gather; backward: reduce-scatter within the shard group only, into the shard leaf."""
+
+    @staticmethod
+    def forward(ctx, local, leaf, spec):
+        ctx.spec, ctx.local_dim0, ctx.leaf_dtype = spec, local.shape[0] if local.dim() else 0, leaf.dtype
+        return _gather(local, spec)
+
+    @staticmethod
+    def backward(ctx, grad):
+        spec = ctx.spec
+        partial = _reduce(grad, ctx.local_dim0, spec, slice(0, 1), spec.scatter, ctx.leaf_dtype)
+        return None, partial, None
+
+
+class _UnshardWithPending(torch.autograd.Function):
+    """Gather; backward: add the pending accumulated gradient(s), then reduce once."""
+
+    @staticmethod
+    def forward(ctx, local, full_pending, partial_pending, spec):
+        ctx.spec, ctx.local_dim0, ctx.out_dtype = spec, local.shape[0] if local.dim() else 0, local.dtype
+        ctx.save_for_backward(full_pending, partial_pending)
+        return _gather(local, spec)
+
+    @staticmethod
+    def backward(ctx, grad):
+        spec = ctx.spec
+        full_pending, partial_pending = ctx.saved_tensors
+        reduce_dtype = spec.reduce_dtype or ctx.out_dtype
+        grad = grad.to(reduce_dtype)
+        if full_pending is not None:
+            grad = grad + full_pending
+        if partial_pending is None:
+            out = _reduce(grad, ctx.local_dim0, spec, slice(None), spec.scatter, ctx.out_dtype)
+        else:
+            # Shard-group reduction of this micro-batch, plus the earlier micro-batches' already
+            # reduce-scattered sum, then one all-reduce across replica groups.
+            partial = _reduce(grad, ctx.local_dim0, spec, slice(0, 1), spec.scatter, reduce_dtype)
+            out = _reduce(partial + partial_pending, ctx.local_dim0, spec, slice(1, None), False,
+                          ctx.out_dtype)
+        return out, None, None, None
+
+
+def unshard_for_grad_sync(param: nn.Parameter, local: torch.Tensor, spec, sync: GradSync
+                          ) -> torch.Tensor | None:
+    """The parameter read for the current sync mode, or None for the ordinary unshard."""
+    mode = sync.mode
+    if mode is SyncMode.NO_SYNC:
+        return _UnshardNoSync.apply(local, sync.full_leaves[spec.name], spec)
+    if mode is SyncMode.NO_ALL_REDUCE and len(spec.reduce_groups) > 1:
+        return _UnshardNoAllReduce.apply(local, sync.partial_leaves[spec.name], spec)
+    # The first read of a parameter in a synced forward takes its pending gradient (a pop, so a
+    # parameter read twice, e.g. tied, adds it once); Dynamo replays the pop after the graph.
+    full_pending = sync.full_pending.pop(spec.name, None)
+    partial_pending = sync.partial_pending.pop(spec.name, None)
+    if full_pending is None and partial_pending is None:
+        return None
+    return _UnshardWithPending.apply(local, full_pending, partial_pending, spec)
+
+
+# --------------------------------------------------------------------------- public API
+
+
+def _sharded_params(model: nn.Module) -> Iterator[tuple[nn.Parameter, object]]:
+    from graphshard.sharding import SPECS_ATTR
+
+    seen: set[int] = set()
+    for module in model.modules():
+        for name, spec in getattr(module, SPECS_ATTR, {}).items():
+            param = module._parameters[name]
+            if id(param) not in seen:
+                seen.add(id(param))
+                yield param, spec
+
+
+def _grad_sync(model: nn.Module) -> GradSync:
+    from graphshard.sharding import shard_state
+
+    return shard_state(model).grad_sync
+
+
+def _ensure_leaves(model: nn.Module, sync: GradSync, partial: bool) -> None:
+    leaves = sync.partial_leaves if partial else sync.full_leaves
+    for param, spec in _sharded_params(model):
+        if param.requires_grad and spec.name not in leaves:
+            local = param.to_local()
+            shape = local.shape if partial else torch.Size((spec.full_dim0, *local.shape[1:])
+                                                           if local.dim() else ())
+            leaves[spec.name] = _accumulation_leaf(shape, spec.reduce_dtype or param.dtype,
+                                                   local.device)
+
+
+def set_requires_gradient_sync(model: nn.Module, requires_gradient_sync: bool) -> None:
+    """False: backward passes keep full (unsharded) gradients locally, summed over micro-batches,
+    and reduce nothing (parameters' `.grad` stays untouched). The next forward+backward with
+    True adds the sum to its own gradient and reduces once."""
+    sync = _grad_sync(model)
+    if not requires_gradient_sync:
+        if sync.accumulating(partial=True):
+            raise RuntimeError(
+                "set_requires_gradient_sync(False) after set_requires_all_reduce(False) "
+                "micro-batches: finish that accumulation with a synced micro-batch first")
+        _ensure_leaves(model, sync, partial=False)
+    else:
+        sync.release(partial=False)
+    sync.requires_gradient_sync = bool(requires_gradient_sync)
+
+
+def set_requires_all_reduce(model: nn.Module, requires_all_reduce: bool) -> None:
+    """hybrid_shard: False keeps the reduce-scatter within each shard group every micro-batch
+    (the sharded partial sums accumulate locally) and skips only the all-reduce across replica
+    groups, which the next forward+backward with True does once for the sum. Without replica
+    groups this changes nothing."""
+    sync = _grad_sync(model)
+    if not requires_all_reduce:
+        if sync.accumulating(partial=False):
+            raise RuntimeError(
+                "set_requires_all_reduce(False) after set_requires_gradient_sync(False) "
+                "micro-batches: finish that accumulation with a synced micro-batch first")
+        _ensure_leaves(model, sync, partial=True)
+    else:
+        sync.release(partial=True)
+    sync.requires_all_reduce = bool(requires_all_reduce)
+
+
+@contextlib.contextmanager
+def no_sync(model: nn.Module, *, replica_only: bool = False):
+    """Within the block, backward passes accumulate gradients without reducing them; the first
+    forward+backward after the block reduces the accumulated sum with its own gradient, once.
+    replica_only=True (hybrid_shard): still reduce-scatter within each shard group, skip only
+    the all-reduce across replica groups."""
+    sync = _grad_sync(model)
+    previous = sync.requires_all_reduce if replica_only else sync.requires_gradient_sync
+    (set_requires_all_reduce if replica_only else set_requires_gradient_sync)(model, False)
+    try:
+        yield model
+    finally:
+        (set_requires_all_reduce if replica_only else set_requires_gradient_sync)(model, previous)

@@ -1,0 +1,112 @@
+"""Meta-device initialisation: build a model with no memory, shard it, then allocate only shards.
+
+    with torch.device("meta"):
+        model = Transformer(config)
+    graphshard.shard(model)                       # DTensor parameters with meta local shards
+    graphshard.materialize(model, device="cpu")   # each rank allocates and initialises its shard
+
+How parameters are initialised, and why: one module at a time, materialize allocates that
+module's *full* parameters on `device`, runs the module's own `reset_parameters()` (or
+`init_fn(module)`) on a plain copy of the module class, keeps this rank's dim-0 shard and drops
+the full tensors before the next module. The peak is therefore the sharded model plus the
+largest single module's parameters (a tied parameter stays full until its last module is done).
+The alternative, running `nn.init` on DTensor parameters, needs DTensor's offset-based random
+generator, which does not cover CPU: there every rank would draw the same values for its own
+shard. Initialising full tensors with the same seed on every rank gives exactly the values of an
+unsharded model built with that seed (same module order, same RNG draws), which tests can check.
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+import torch.nn as nn
+from torch.distributed.tensor import DTensor
+
+from graphshard.sharding import SPECS_ATTR, _local_dim0_slice, shard_state
+
+
+def _default_init(module: nn.Module) -> None:
+    reset = getattr(module, "reset_parameters", None)
+    if callable(reset):
+        reset()
+
+
+def materialize(model: nn.Module, device: str | torch.device = "cpu",
+                init_fn: Callable[[nn.Module], None] | None = None) -> nn.Module:
+    """Allocate this rank's shard of every meta parameter (and every meta buffer in full) on
+    `device`, initialised by each module's `reset_parameters()` or by `init_fn(module)`, which
+    is called on every module that directly owns parameters or buffers. Returns `model`.
+
+    Parameters of modules without `reset_parameters` (and no `init_fn`) are left uninitialised
+    (torch.empty), as with `nn.Module.to_empty`; buffers computed in `__init__` must be
+    recomputed by `init_fn`.
+    """
+    state = shard_state(model)
+    device = torch.device(device)
+    if device.type != state.mesh.device_type:
+        raise ValueError(f"materialize device {device} does not match the mesh's device type "
+                         f"{state.mesh.device_type!r}")
+    init_fn = init_fn or _default_init
+    modules = [m for m in model.modules() if m._parameters or m._buffers]
+    # A tied parameter stays full until the last module that owns it has run its init.
+    remaining: dict[int, int] = {}
+    for module in modules:
+        for param in module._parameters.values():
+            if param is not None:
+                remaining[id(param)] = remaining.get(id(param), 0) + 1
+    full_of: dict[int, nn.Parameter] = {}  # id(sharded param) -> full plain parameter
+    sharded_of: dict[int, nn.Parameter] = {}  # id(old sharded param) -> new sharded param
+    owners: dict[int, list[tuple[nn.Module, str]]] = {}
+
+    for module in modules:
+        for name, buf in module._buffers.items():
+            if buf is not None and buf.is_meta:
+                module._buffers[name] = torch.empty_like(buf, device=device)
+        specs = getattr(module, SPECS_ATTR, {})
+        originals = dict(module._parameters)
+        for name, param in originals.items():
+            if param is None or not param.is_meta:
+                continue
+            if id(param) not in full_of:
+                full_of[id(param)] = nn.Parameter(
+                    torch.empty(param.shape, dtype=param.dtype, device=device),
+                    requires_grad=param.requires_grad)
+            owners.setdefault(id(param), []).append((module, name))
+            module._parameters[name] = full_of[id(param)]
+        # The sharded class's properties would return a fresh gathered tensor, so in-place
+        # init through `module.weight` would be lost: init on the plain class.
+        sharded_cls = type(module)
+        module.__class__ = getattr(sharded_cls, "_graphshard_base_class", sharded_cls)
+        try:
+            with torch.no_grad():
+                init_fn(module)
+        finally:
+            module.__class__ = sharded_cls
+        for name, param in originals.items():
+            if param is None or not param.is_meta:
+                continue
+            module._parameters[name] = param  # back to the sharded one until it is replaced
+            remaining[id(param)] -= 1
+            if remaining[id(param)] == 0:
+                sharded_of[id(param)] = _shard_of(full_of.pop(id(param)), param, specs[name],
+                                                  state.mesh)
+                for owner, owner_name in owners.pop(id(param)):
+                    owner._parameters[owner_name] = sharded_of[id(param)]
+    return model
+
+
+def _shard_of(full: nn.Parameter, old: nn.Parameter, spec, mesh) -> nn.Parameter:
+    if not isinstance(old, DTensor):
+        return nn.Parameter(full.detach(), requires_grad=old.requires_grad)
+    shard_dim = mesh.ndim - 1
+    if spec.gather_group:  # sharded on dim 0
+        local = _local_dim0_slice(full.detach(), mesh.get_local_rank(shard_dim),
+                                  mesh.size(shard_dim))
+    else:
+        local = full.detach()
+    local = local.clone(memory_format=torch.contiguous_format)  # own storage: only the shard
+    dtensor = DTensor.from_local(local, mesh, old.placements, run_check=False,
+                                 shape=old.shape, stride=old.stride())
+    return nn.Parameter(dtensor, requires_grad=old.requires_grad)

@@ -1,0 +1,128 @@
+"""Gradient accumulation: K micro-batches with sync off then one synced, equal to one K-times
+larger batch; the no-sync backward graph reduces nothing."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+import graphshard
+from graphshard.backend import GraphshardCompiler
+from graphshard.launch import run_local
+from graphshard.options import GraphshardOptions
+from passes.graph_utils import ALL_GATHER, ALL_REDUCE, REDUCE_SCATTER
+from tests.zoo import Zoo, zoo_batch, zoo_loss
+
+K, STEPS, BATCH, LR = 3, 2, 12, 1e-2
+
+
+def _counts(gm):
+    targets = [n.target for n in gm.graph.nodes if n.op == "call_function"]
+    return {name: targets.count(t) for name, t in
+            (("all_gather", ALL_GATHER), ("reduce_scatter", REDUCE_SCATTER),
+             ("all_reduce", ALL_REDUCE))}
+
+
+def test_no_sync_graph_has_no_reduction(fake_pg):
+    model = Zoo()
+    graphshard.shard(model)
+    graphs = []
+    compiler = GraphshardCompiler(
+        GraphshardOptions(compiler="eager"),
+        observer=lambda kind, stage, gm: graphs.append((kind, copy.deepcopy(gm)))
+        if stage == "lowered" else None)
+    compiled = torch.compile(model, backend=compiler, fullgraph=True)
+    tokens = zoo_batch(4)
+
+    def step():
+        graphs.clear()
+        zoo_loss(compiled(tokens), tokens).backward()
+        return {kind: _counts(gm) for kind, gm in graphs}
+
+    with graphshard.no_sync(model):
+        no_sync = step()
+        assert step() == {}  # the second no-sync micro-batch reuses the compiled graphs
+    final = step()
+    assert no_sync["backward"]["reduce_scatter"] == no_sync["backward"]["all_reduce"] == 0
+    assert no_sync["forward"]["all_gather"] > 0  # the parameters are still gathered
+    assert final["backward"]["reduce_scatter"] > 0
+    assert all(p.grad is not None for p in model.parameters() if p.requires_grad)
+    torch._dynamo.reset()
+
+
+def test_mode_switch_errors(fake_pg):
+    model = Zoo()
+    graphshard.shard(model)
+    tokens = zoo_batch(2)
+    graphshard.set_requires_gradient_sync(model, False)
+    zoo_loss(model(tokens), tokens).backward()  # full gradients pending
+    with pytest.raises(RuntimeError, match="finish that accumulation"):
+        graphshard.set_requires_all_reduce(model, False)
+    with pytest.raises(ValueError, match="not sharded"):
+        graphshard.set_requires_gradient_sync(Zoo(), False)
+
+
+# --------------------------------------------------------------------------- gloo numerics
+
+
+def _reference():
+    torch.manual_seed(0)
+    model = Zoo()
+    opt = torch.optim.AdamW(model.parameters(), lr=LR)
+    tokens = zoo_batch(BATCH)
+    grads = []
+    for _ in range(STEPS):
+        zoo_loss(model(tokens), tokens).backward()
+        grads.append({n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None})
+        opt.step()
+        opt.zero_grad()
+    return grads, {n: p.detach().clone() for n, p in model.named_parameters()}
+
+
+def _accumulate(rank, world, modes):
+    results = []
+    for compiled, api in modes:
+        torch.manual_seed(0)
+        model = Zoo()
+        graphshard.shard(model)
+        opt = torch.optim.AdamW(model.parameters(), lr=LR)
+        fn = torch.compile(model, backend="graphshard", options={"compiler": "eager"},
+                           fullgraph=True) if compiled else model
+        per = BATCH // world
+        micro = zoo_batch(BATCH)[rank * per:(rank + 1) * per].chunk(K)
+        grads = []
+        for _ in range(STEPS):
+            for i, batch in enumerate(micro):
+                last = i == K - 1
+                if api == "setter":
+                    graphshard.set_requires_gradient_sync(model, last)
+                    (zoo_loss(fn(batch), batch) / K).backward()
+                elif last:
+                    (zoo_loss(fn(batch), batch) / K).backward()
+                else:
+                    with graphshard.no_sync(model):
+                        (zoo_loss(fn(batch), batch) / K).backward()
+                if not last:  # nothing reduced, nothing written to the sharded .grad yet
+                    assert all(p.grad is None for p in model.parameters())
+            grads.append({n: p.grad.full_tensor() for n, p in model.named_parameters()
+                          if p.grad is not None})
+            opt.step()
+            opt.zero_grad()
+        results.append((grads, {n: p.full_tensor() for n, p in model.named_parameters()}))
+        torch._dynamo.reset()
+    return results
+
+
+def test_accumulation_matches_large_batch():
+    ref_grads, ref_params = _reference()
+    modes = [(False, "context"), (False, "setter"), (True, "context"), (True, "setter")]
+    for rank_results in run_local(_accumulate, 2, modes):
+        for mode, (grads, params) in zip(modes, rank_results):
+            for step, ref in enumerate(ref_grads):
+                assert set(grads[step]) == set(ref), mode
+                for name, g in ref.items():
+                    assert (grads[step][name] - g).abs().max().item() < 1e-5, (mode, step, name)
+            for name, p in ref_params.items():
+                assert (params[name] - p).abs().max().item() < 1e-5, (mode, name)
