@@ -1,0 +1,1 @@
+"""Factories for `graphshard dump` tests: good ones, and each kind of bad one."""

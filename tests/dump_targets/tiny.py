@@ -1,0 +1,53 @@
+"""Tiny factories for `graphshard dump` tests (file and module targets)."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+
+class Tiny(nn.Module):
+    """Three linears: a frozen one in the middle, and an output of 5 rows (uneven shards at
+    world size 4, so padding shows up)."""
+
+    def __init__(self, dim: int = 16):
+        super().__init__()
+        self.inp = nn.Linear(8, dim)
+        self.frozen = nn.Linear(dim, dim)
+        self.frozen.requires_grad_(False)
+        self.out = nn.Linear(dim, 5)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.out(F.relu(self.frozen(F.relu(self.inp(x)))))
+
+
+def make(batch: int = 2, dim: int = 16):
+    """(model, example_inputs): the loss is a plain reduction of the output."""
+    return Tiny(dim), (torch.randn(batch, 8),)
+
+
+def make_with_loss(batch: int = 2):
+    return Tiny(), (torch.randn(batch, 8),), lambda out, x: out.square().mean()
+
+
+def raises():
+    raise RuntimeError("boom: the factory failed")
+
+
+def wrong_shape():
+    return Tiny()
+
+
+def wrong_model():
+    return "not a model", (torch.randn(2, 8),)
+
+
+NOT_CALLABLE = 3
+
+
+def frozen_model():
+    """Nothing requires grad: torch.compile makes one inference graph and no backward."""
+    model = Tiny()
+    model.requires_grad_(False)
+    return model, (torch.randn(2, 8),)
