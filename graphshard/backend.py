@@ -10,7 +10,6 @@ The pipeline is data: `PIPELINE` below is the single list of stages, and `graphs
 
 from __future__ import annotations
 
-import copy
 import math
 from dataclasses import dataclass, field
 from typing import Any, Callable, Mapping, Sequence
@@ -99,11 +98,10 @@ class GraphshardCompiler:
     def __init__(self, options: GraphshardOptions, observer: StageObserver | None = None):
         self.options = options
         self.observer = observer
-        self.param_order: dict[str, int] = {}
 
-    def _graph_compiler(self, graph_kind: str):
+    def _graph_compiler(self, graph_kind: str, param_order: Mapping[str, int]):
         def compile_graph(gm: fx.GraphModule, example_inputs: Sequence[Any]):
-            ctx = PassContext(graph_kind, self.options, self.param_order)
+            ctx = PassContext(graph_kind, self.options, param_order)
             gm = run_pipeline(gm, ctx, self.observer)
             if self.options.compiler == "eager":
                 return make_boxed_func(gm.forward)
@@ -125,7 +123,7 @@ class GraphshardCompiler:
             return compile_fx(gm, example_inputs)
         gm = merge_duplicate_unshards(gm)
         # shard() tags each parameter with (name, registration index); bucketing packs by it.
-        self.param_order = dict(
+        param_order = dict(
             getattr(x, "_graphshard_order") for x in example_inputs if hasattr(x, "_graphshard_order")
         )
         from torch._inductor.decomposition import select_decomp_table
@@ -133,9 +131,9 @@ class GraphshardCompiler:
         from torch._guards import detect_fake_mode
 
         backend = aot_autograd(
-            fw_compiler=self._graph_compiler("forward"),
-            bw_compiler=self._graph_compiler("backward"),
-            inference_compiler=self._graph_compiler("inference"),
+            fw_compiler=self._graph_compiler("forward", param_order),
+            bw_compiler=self._graph_compiler("backward", param_order),
+            inference_compiler=self._graph_compiler("inference", param_order),
             partition_fn=_partition,
             decompositions=select_decomp_table(),
             keep_inference_input_mutations=True,
@@ -149,7 +147,3 @@ def graphshard_backend(gm: fx.GraphModule, example_inputs: Sequence[Any],
     """Entry point of `torch.compile(model, backend="graphshard", options={...})`."""
     return GraphshardCompiler(GraphshardOptions.from_dict(options))(gm, example_inputs)
 
-
-def snapshot(gm: fx.GraphModule) -> fx.GraphModule:
-    """A copy of a graph that later passes and Inductor cannot mutate."""
-    return copy.deepcopy(gm)

@@ -124,14 +124,24 @@ def _rewrite_all_gather(gm: fx.GraphModule, bucket: Bucket, fake_mode) -> None:
         flat = emit(aten.cat.default, [emit(aten.reshape.default, s, [-1]) for s in shards])
         gathered = emit(WAIT, emit(ALL_GATHER, flat, group_size, group_name))
         rows = emit(aten.view.default, gathered, [group_size, sum(numels)])
-        offset = 0
-        outputs = []
-        for member, numel in zip(members, numels):
-            columns = emit(aten.slice.Tensor, rows, 1, offset, offset + numel)
-            full_shape = list(member.meta["val"].shape)
-            # copy-out: (N, n_i) columns -> (N * rows_i, *rest), contiguous per parameter
-            outputs.append(emit(aten.clone.default, emit(aten.reshape.default, columns, full_shape)))
-            offset += numel
+        # (N, n_i) columns -> (N * rows_i, *rest): the per-parameter gathered layout
+        outputs = _copy_out(emit, rows, 1, members, numels)
+    _replace_members(gm, members, outputs)
+
+
+def _copy_out(emit, buffer, dim: int, members: list[fx.Node], numels: list[int]) -> list[fx.Node]:
+    """Each member's slice of a bucket buffer (along `dim`), copied out in the member's shape."""
+    outputs, offset = [], 0
+    for member, numel in zip(members, numels):
+        piece = emit(aten.slice.Tensor, buffer, dim, offset, offset + numel)
+        shape = list(member.meta["val"].shape)
+        outputs.append(emit(aten.clone.default, emit(aten.reshape.default, piece, shape)))
+        offset += numel
+    return outputs
+
+
+def _replace_members(gm: fx.GraphModule, members: list[fx.Node], outputs: list[fx.Node]) -> None:
+    """Point each member collective's users at the bucket's output; drop the member."""
     for member, out in zip(members, outputs):
         waited = wait_of(member)
         waited.replace_all_uses_with(out)
@@ -160,18 +170,8 @@ def _rewrite_reduce(gm: fx.GraphModule, bucket: Bucket, fake_mode) -> None:
             numels = [f.meta["val"].shape[0] for f in flats]
             reduced = emit(WAIT, emit(ALL_REDUCE, emit(aten.cat.default, flats), "sum", group_name))
             reduced.args[0].meta["graphshard_group_size"] = group_size
-        offset = 0
-        outputs = []
-        for member, numel in zip(members, numels):
-            piece = emit(aten.slice.Tensor, reduced, 0, offset, offset + numel)
-            outputs.append(emit(aten.clone.default,
-                                emit(aten.reshape.default, piece, list(member.meta["val"].shape))))
-            offset += numel
-    for member, out in zip(members, outputs):
-        waited = wait_of(member)
-        waited.replace_all_uses_with(out)
-        gm.graph.erase_node(waited)
-        gm.graph.erase_node(member)
+        outputs = _copy_out(emit, reduced, 0, members, numels)
+    _replace_members(gm, members, outputs)
 
 
 def bucket_collectives(gm: fx.GraphModule, ctx=None) -> fx.GraphModule:

@@ -1,0 +1,1 @@
+"""Benchmarks of graphshard against its peers: `python -m bench --help`."""

@@ -1,0 +1,107 @@
+"""`python -m bench` / `graphshard bench`: compare graphshard with DDP, FSDP2 and SimpleFSDP."""
+
+from __future__ import annotations
+
+import argparse
+import ast
+import sys
+
+from bench.methods import DEFAULT_METHODS, METHODS
+from bench.workload import MODEL_NAMES, ModelUnavailable, build_workload
+
+
+def _model_args(text: str) -> tuple[tuple[str, object], ...]:
+    """'dim=32,n_layers=1' -> (('dim', 32), ('n_layers', 1)); values are Python literals."""
+    pairs = []
+    for item in filter(None, text.split(",")):
+        key, sep, value = item.partition("=")
+        if not sep:
+            raise argparse.ArgumentTypeError(f"expected KEY=VALUE, got {item!r}")
+        try:
+            pairs.append((key.strip(), ast.literal_eval(value.strip())))
+        except (ValueError, SyntaxError):
+            pairs.append((key.strip(), value.strip()))
+    return tuple(pairs)
+
+
+def _methods(text: str) -> tuple[str, ...]:
+    names = tuple(n.strip() for n in text.split(",") if n.strip())
+    unknown = [n for n in names if n not in METHODS]
+    if unknown or not names:
+        raise argparse.ArgumentTypeError(f"unknown method(s) {unknown}; valid: {', '.join(METHODS)}")
+    return names
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="graphshard bench",
+        description="Step time, collectives, memory, compile time and loss agreement of "
+                    "graphshard and its peers, interleaved in one run on N local gloo processes.",
+    )
+    p.add_argument("--model", default="transformer", choices=MODEL_NAMES)
+    p.add_argument("--model-args", type=_model_args, default=(), metavar="K=V,...",
+                   help="model config overrides, e.g. dim=32,n_layers=1")
+    p.add_argument("--nproc", type=int, default=2, help="world size (local processes)")
+    p.add_argument("--methods", type=_methods, default=DEFAULT_METHODS,
+                   help=f"comma list from: {', '.join(METHODS)} (default: all)")
+    p.add_argument("--batch", type=int, default=8, help="global batch, split evenly over ranks")
+    p.add_argument("--seq", type=int, default=32, help="sequence length")
+    p.add_argument("--steps", type=int, default=10, help="timed steps per method per repeat")
+    p.add_argument("--repeats", type=int, default=3, help="interleaved rounds over the methods")
+    p.add_argument("--warmup", type=int, default=3, help="untimed steps first (>= 1; the first compiles)")
+    p.add_argument("--optimizer", choices=("adamw", "sgd"), default="adamw")
+    p.add_argument("--lr", type=float, default=1e-3)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--json", default="bench_results.json", help="where to write the results")
+    p.add_argument("--plot", default="bench_results.png",
+                   help="PNG of step time and memory (needs matplotlib); '' for none")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    for flag in ("nproc", "batch", "seq", "steps", "repeats", "warmup"):
+        if getattr(args, flag) < 1:
+            print(f"bench: --{flag} must be at least 1", file=sys.stderr)
+            return 2
+    if args.batch % args.nproc:
+        print(f"bench: --batch {args.batch} does not split evenly over --nproc {args.nproc}",
+              file=sys.stderr)
+        return 2
+
+    # Imported here so `--help` and argument errors stay fast.
+    from bench.harness import BenchConfig, run
+    from bench.report import format_table, plot, summarize, write_json
+
+    cfg = BenchConfig(
+        model=args.model, model_args=args.model_args, nproc=args.nproc, methods=args.methods,
+        batch=args.batch, seq=args.seq, steps=args.steps, repeats=args.repeats,
+        warmup=args.warmup, optimizer=args.optimizer, lr=args.lr, seed=args.seed,
+    )
+    try:  # fail fast, in this process, on a missing package or a bad model option
+        build_workload(cfg.model, cfg.batch, cfg.seq, cfg.seed, dict(cfg.model_args))
+    except ModelUnavailable as exc:
+        print(f"bench: skipping model {cfg.model}: {exc}")
+        return 0
+    except (TypeError, ValueError) as exc:
+        print(f"bench: bad model options: {exc}", file=sys.stderr)
+        return 2
+
+    print(f"bench: {cfg.model} {dict(cfg.model_args) or ''} world size {cfg.nproc}, "
+          f"global batch {cfg.batch}, seq {cfg.seq}, {cfg.repeats} x {cfg.steps} timed steps, "
+          f"methods {', '.join(cfg.methods)}", flush=True)
+    timing, profile = run(cfg)
+    summary = summarize(cfg, timing, profile)
+    print(format_table(summary))
+    if args.plot:
+        note = plot(summary, args.plot)
+        summary["notes"].append(note or f"plot written to {args.plot}")
+    write_json(summary, args.json)
+    for note in summary["notes"]:
+        print(f"note: {note}")
+    print(f"results written to {args.json}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,302 @@
+"""Runs the benchmark: N local gloo processes, every method on the same model and batch.
+
+Two launches share one fresh Inductor cache directory:
+
+1. timing: every method is set up once (its own deep copy of the same initial model) and kept
+   alive; after warm-up, repeats interleave the methods (the order rotates each repeat) and
+   time `steps` steps each, so machine noise spreads over all methods alike. The first
+   warm-up step of a compiled method, less its median step, is its cold compile time (the
+   cache directory starts empty). Every step's loss is kept for the agreement check.
+2. profile: fresh processes on the now-populated cache. A compiled method's first step, less
+   the timing run's median step, is its warm compile time. Then, per method, one profiling
+   session covers model copy, setup and three steps; the third step gives collectives,
+   bytes and the peak memory (see bench.measure). Profiling never overlaps a timed step.
+"""
+
+from __future__ import annotations
+
+import copy
+import gc
+import json
+import os
+import shutil
+import socket
+import tempfile
+import time
+from dataclasses import asdict, dataclass, field
+from datetime import timedelta
+from typing import Callable
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+import torch.nn as nn
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+
+from bench.measure import analyze, measured_step, memory_profile
+from bench.methods import METHODS, MethodUnavailable
+from bench.workload import Workload, build_workload
+
+OK = "ok"
+_TIMEOUT = timedelta(seconds=120)  # a dead rank fails its peers' collectives, never hangs them
+
+
+@dataclass(frozen=True)
+class BenchConfig:
+    model: str = "transformer"
+    model_args: tuple[tuple[str, object], ...] = ()
+    nproc: int = 2
+    methods: tuple[str, ...] = ("ddp_eager", "fsdp2_eager")
+    batch: int = 8  # global batch; each rank trains batch // nproc samples
+    seq: int = 32
+    steps: int = 10  # timed steps per method per repeat
+    repeats: int = 3
+    warmup: int = 3
+    optimizer: str = "adamw"
+    lr: float = 1e-3
+    seed: int = 0
+
+    @property
+    def threads_per_rank(self) -> int:
+        # One rank per core at most: more threads than cores would time the OS scheduler.
+        return max(1, (os.cpu_count() or 1) // self.nproc)
+
+
+@dataclass
+class RankResult:
+    """What one rank measured in one launch, keyed by method name."""
+
+    status: dict[str, str] = field(default_factory=dict)
+    first_step_s: dict[str, float] = field(default_factory=dict)
+    step_s: dict[str, list[float]] = field(default_factory=dict)
+    losses: dict[str, list[float]] = field(default_factory=dict)
+    profile: dict[str, dict] = field(default_factory=dict)
+    dynamo: dict[str, dict[str, int]] = field(default_factory=dict)  # compile counters
+    loadavg: list[list[float]] = field(default_factory=list)  # one (1, 5, 15 min) per repeat
+
+
+# --------------------------------------------------------------------------- one method
+
+
+def make_optimizer(cfg: BenchConfig, params) -> torch.optim.Optimizer:
+    if cfg.optimizer == "adamw":
+        return torch.optim.AdamW(params, lr=cfg.lr)
+    if cfg.optimizer == "sgd":
+        return torch.optim.SGD(params, lr=cfg.lr)
+    raise ValueError(f"unknown optimizer {cfg.optimizer!r}; valid: 'adamw', 'sgd'")
+
+
+def make_train_step(
+    module: nn.Module, loss_fn: Callable, inputs: tuple[torch.Tensor, ...],
+    optimizer: torch.optim.Optimizer,
+) -> Callable[[], torch.Tensor]:
+    """The one training step every method runs; returns this rank's loss."""
+
+    def step() -> torch.Tensor:
+        loss = loss_fn(module(*inputs), *inputs)
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        return loss.detach()
+
+    return step
+
+
+def set_up(name: str, cfg: BenchConfig, workload: Workload, mesh: DeviceMesh,
+           inputs: tuple[torch.Tensor, ...]) -> Callable[[], torch.Tensor]:
+    module = METHODS[name].setup(copy.deepcopy(workload.model), mesh)
+    return make_train_step(module, workload.loss_fn, inputs, make_optimizer(cfg, module.parameters()))
+
+
+def _timed(step: Callable[[], torch.Tensor]) -> tuple[float, float]:
+    start = time.perf_counter()
+    loss = step()
+    return time.perf_counter() - start, float(loss)
+
+
+def _describe(exc: BaseException) -> str:
+    text = f"{type(exc).__name__}: {exc}".strip().splitlines()[0]
+    return text[:200]
+
+
+def _agree(status: dict[str, str]) -> dict[str, str]:
+    """Make every rank drop a method any rank failed, so collectives stay matched."""
+    gathered: list[dict[str, str]] = [{} for _ in range(dist.get_world_size())]
+    dist.all_gather_object(gathered, status)
+    merged = dict(status)
+    for other in gathered:
+        for name, state in other.items():
+            if state != OK and merged.get(name) == OK:
+                merged[name] = state
+    return merged
+
+
+def _dynamo_counts() -> dict[str, int]:
+    """Process-wide compile counters: graphs, graph breaks, compile-cache hits and misses."""
+    counters = torch._dynamo.utils.counters
+    counts = {"graphs": counters["stats"]["unique_graphs"],
+              "graph_breaks": sum(counters["graph_break"].values())}
+    for group, prefix in (("inductor", "fxgraph_cache_"), ("aot_autograd", "autograd_cache_")):
+        for outcome in ("hit", "miss", "bypass"):
+            counts[prefix + outcome] = counters[group][prefix + outcome]
+    return counts
+
+
+def _counts_since(before: dict[str, int]) -> dict[str, int]:
+    return {k: v - before[k] for k, v in _dynamo_counts().items()}
+
+
+def _prime_inductor() -> None:
+    """Compile a trivial function so one-time imports are not billed to the first method."""
+    x = torch.ones(8, requires_grad=True)
+    torch.compile(lambda t: (t * 2).sin().sum())(x).backward()
+
+
+# --------------------------------------------------------------------------- phases
+
+
+def _set_up_all(cfg: BenchConfig, workload: Workload, mesh: DeviceMesh, inputs, result: RankResult
+                ) -> dict[str, Callable[[], torch.Tensor]]:
+    steps = {}
+    for name in cfg.methods:
+        try:
+            steps[name] = set_up(name, cfg, workload, mesh, inputs)
+            result.status[name] = OK
+        except MethodUnavailable as exc:
+            result.status[name] = f"unavailable: {exc}"
+        except Exception as exc:  # a broken method must not take the others down
+            result.status[name] = f"failed in setup: {_describe(exc)}"
+    result.status = _agree(result.status)
+    return {name: step for name, step in steps.items() if result.status[name] == OK}
+
+
+def _run_steps(name: str, step: Callable[[], torch.Tensor], count: int, result: RankResult,
+               times: list[float] | None) -> bool:
+    """Run `count` steps of one method, keeping losses (and times); False if it failed."""
+    try:
+        for _ in range(count):
+            elapsed, loss = _timed(step)
+            result.losses[name].append(loss)
+            if times is not None:
+                times.append(elapsed)
+        return True
+    except Exception as exc:
+        result.status[name] = f"failed: {_describe(exc)}"
+        return False
+
+
+def timing_phase(cfg: BenchConfig, workload: Workload, mesh: DeviceMesh, inputs) -> RankResult:
+    result = RankResult()
+    if any(METHODS[name].compiled for name in cfg.methods):
+        _prime_inductor()
+    steps = _set_up_all(cfg, workload, mesh, inputs, result)
+
+    for name, step in steps.items():
+        result.losses[name], result.step_s[name] = [], []
+        first: list[float] = []
+        before = _dynamo_counts()
+        if _run_steps(name, step, 1, result, first):
+            result.first_step_s[name] = first[0]
+            _run_steps(name, step, cfg.warmup - 1, result, None)
+        # Dynamo's counters are process-wide; methods warm up one at a time, so the change
+        # during a method's warm-up is that method's.
+        result.dynamo[name] = _counts_since(before)
+        result.status = _agree(result.status)
+
+    for repeat in range(cfg.repeats):
+        result.loadavg.append(list(os.getloadavg()))
+        names = [n for n in steps if result.status[n] == OK]
+        shift = repeat % max(1, len(names))
+        for name in names[shift:] + names[:shift]:
+            dist.barrier()  # start each method's block together on all ranks
+            _run_steps(name, steps[name], cfg.steps, result, result.step_s[name])
+            result.status = _agree(result.status)
+    return result
+
+
+def profile_phase(cfg: BenchConfig, workload: Workload, mesh: DeviceMesh, inputs) -> RankResult:
+    result = RankResult()
+    compiled = [name for name in cfg.methods if METHODS[name].compiled]
+    if compiled:
+        _prime_inductor()
+    for name in cfg.methods:
+        result.losses[name] = []
+        try:
+            if METHODS[name].compiled:
+                # Warm compile: fresh process, cache filled by the timing launch, no profiler.
+                before = _dynamo_counts()
+                step = set_up(name, cfg, workload, mesh, inputs)
+                result.first_step_s[name] = _timed(step)[0]
+                result.dynamo[name] = _counts_since(before)
+                del step
+                gc.collect()
+            with memory_profile() as prof:
+                step = set_up(name, cfg, workload, mesh, inputs)
+                step(), step()
+                with measured_step():
+                    step()
+            del step
+            gc.collect()
+            result.profile[name] = asdict(analyze(prof, dist.get_world_size()))
+            result.status[name] = OK
+        except MethodUnavailable as exc:
+            result.status[name] = f"unavailable: {exc}"
+        except Exception as exc:
+            result.status[name] = f"failed in profiling: {_describe(exc)}"
+        result.status = _agree(result.status)
+    return result
+
+
+PHASES: dict[str, Callable[..., RankResult]] = {"timing": timing_phase, "profile": profile_phase}
+
+
+def _worker(rank: int, cfg: BenchConfig, phase: str, port: int, out_path: str) -> None:
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+                            world_size=cfg.nproc, timeout=_TIMEOUT)
+    try:
+        torch.set_num_threads(cfg.threads_per_rank)
+        # Several compiled methods trace the same forward code objects; do not let Dynamo's
+        # per-code recompile limit fall back to eager for the later ones.
+        torch._dynamo.config.recompile_limit = 64
+        torch._dynamo.config.accumulated_recompile_limit = 4096
+        mesh = init_device_mesh("cpu", (cfg.nproc,))
+        workload = build_workload(cfg.model, cfg.batch, cfg.seq, cfg.seed, dict(cfg.model_args))
+        inputs = workload.local_inputs(rank, cfg.nproc)
+        result = PHASES[phase](cfg, workload, mesh, inputs)
+        gathered: list[dict] = [{} for _ in range(cfg.nproc)]
+        dist.all_gather_object(gathered, asdict(result))
+        if rank == 0:
+            with open(out_path, "w") as f:
+                json.dump(gathered, f)
+    finally:
+        dist.destroy_process_group()
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def launch(cfg: BenchConfig, phase: str, workdir: str) -> list[RankResult]:
+    """Run one phase on cfg.nproc local processes; returns each rank's result."""
+    out_path = os.path.join(workdir, f"{phase}.json")
+    mp.spawn(_worker, args=(cfg, phase, _free_port(), out_path), nprocs=cfg.nproc, join=True)
+    with open(out_path) as f:
+        return [RankResult(**r) for r in json.load(f)]
+
+
+def run(cfg: BenchConfig) -> tuple[list[RankResult], list[RankResult]]:
+    """Both launches on a fresh Inductor cache directory; returns (timing, profile) per rank."""
+    workdir = tempfile.mkdtemp(prefix="graphshard-bench-")
+    saved = os.environ.get("TORCHINDUCTOR_CACHE_DIR")
+    os.environ["TORCHINDUCTOR_CACHE_DIR"] = os.path.join(workdir, "inductor")  # children inherit
+    try:
+        return launch(cfg, "timing", workdir), launch(cfg, "profile", workdir)
+    finally:
+        if saved is None:
+            os.environ.pop("TORCHINDUCTOR_CACHE_DIR", None)
+        else:
+            os.environ["TORCHINDUCTOR_CACHE_DIR"] = saved
+        shutil.rmtree(workdir, ignore_errors=True)
+

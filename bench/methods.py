@@ -1,0 +1,123 @@
+"""The methods being compared: name -> setup(model, mesh) -> the module to train.
+
+A setup function takes a fresh copy of the model (identical initial weights on every rank) and
+a 1-D device mesh over all ranks, and returns the callable to train; its `.parameters()` are
+what the optimizer steps (local tensors for DDP, DTensor shards for the FSDP methods). The
+training step itself is the harness's, the same for every method. A setup that cannot run here
+(an optional package missing, graphshard not landed yet) raises `MethodUnavailable`; the harness
+reports it and runs the others.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+import torch.nn as nn
+from torch.distributed.device_mesh import DeviceMesh
+
+from bench.workload import transformer_blocks
+
+
+class MethodUnavailable(RuntimeError):
+    """The method cannot run in this environment; the message says why."""
+
+
+SetupFn = Callable[[nn.Module, DeviceMesh], nn.Module]
+
+
+@dataclass(frozen=True)
+class Method:
+    setup: SetupFn
+    compiled: bool  # has a compile cost worth reporting (first-step time)
+    description: str
+
+
+def _ddp(model: nn.Module, mesh: DeviceMesh) -> nn.Module:
+    from torch.nn.parallel import DistributedDataParallel
+
+    return DistributedDataParallel(model, process_group=mesh.get_group())
+
+
+def _fsdp2(model: nn.Module, mesh: DeviceMesh, compile_blocks: bool = False) -> nn.Module:
+    from torch.distributed.fsdp import fully_shard
+
+    blocks = transformer_blocks(model)
+    if compile_blocks:
+        # torchtitan's recipe: compile each block whole (fullgraph) and wrap the compiled
+        # block, so FSDP2's hooks stay outside the graphs. Compiling the whole model instead
+        # graph-breaks on the hooks inside the block loop and Dynamo then skips the model's
+        # forward frame, for every later method too.
+        for index, block in enumerate(blocks):
+            blocks[index] = torch.compile(block, fullgraph=True)
+    # Per block, then the root (embeddings, final norm, output): the usual FSDP2 wrapping.
+    for block in blocks:
+        fully_shard(block, mesh=mesh)
+    return fully_shard(model, mesh=mesh)
+
+
+def _fsdp2_compiled(model: nn.Module, mesh: DeviceMesh) -> nn.Module:
+    return _fsdp2(model, mesh, compile_blocks=True)
+
+
+def _simple_fsdp(model: nn.Module, mesh: DeviceMesh) -> nn.Module:
+    from bench.simple_fsdp import data_parallel
+
+    return data_parallel(model, mesh)
+
+
+def _graphshard_backend() -> object:
+    """The backend name if its entry point is registered, else the entry point's target."""
+    if "graphshard" in torch._dynamo.list_backends():
+        return "graphshard"
+    try:
+        from graphshard.backend import graphshard_backend
+    except ImportError as exc:
+        raise MethodUnavailable(f"graphshard backend not importable ({exc})") from exc
+    return graphshard_backend
+
+
+def _graphshard_shard(model: nn.Module, mesh: DeviceMesh) -> nn.Module:
+    try:
+        import graphshard
+
+        shard = graphshard.shard
+    except (ImportError, AttributeError) as exc:
+        raise MethodUnavailable(f"graphshard.shard not importable ({exc})") from exc
+    return shard(model, mesh)
+
+
+def _compiled(setup: SetupFn, **compile_kwargs) -> SetupFn:
+    def setup_and_compile(model: nn.Module, mesh: DeviceMesh) -> nn.Module:
+        return torch.compile(setup(model, mesh), **compile_kwargs)
+
+    return setup_and_compile
+
+
+def _graphshard_compiled(options: dict | None) -> SetupFn:
+    def setup(model: nn.Module, mesh: DeviceMesh) -> nn.Module:
+        sharded = _graphshard_shard(model, mesh)
+        return torch.compile(sharded, backend=_graphshard_backend(), options=options)
+
+    return setup
+
+
+METHODS: dict[str, Method] = {
+    "ddp_eager": Method(_ddp, False, "DDP, eager"),
+    "ddp_compile": Method(_compiled(_ddp), True, "torch.compile(DDP(model)), Inductor"),
+    "fsdp2_eager": Method(_fsdp2, False, "FSDP2 fully_shard per block + root, eager"),
+    "fsdp2_compile": Method(_fsdp2_compiled, True, "FSDP2 per block + root, blocks compiled (Inductor)"),
+    # fullgraph: a graph break would silently turn the peer into a piecewise-compiled model.
+    "simplefsdp": Method(_compiled(_simple_fsdp, fullgraph=True), True,
+                         "SimpleFSDP-style DTensor params, whole model compiled (Inductor)"),
+    "graphshard": Method(_graphshard_compiled(None), True, "graphshard.shard + backend='graphshard'"),
+    "graphshard_nopasses": Method(
+        _graphshard_compiled({"bucket_mb": 0, "reorder": False}), True,
+        "graphshard with bucketing and reordering off",
+    ),
+}
+
+# Ratios in the table are against these two.
+BASELINES = ("fsdp2_eager", "ddp_eager")
+DEFAULT_METHODS = tuple(METHODS)

@@ -1,0 +1,159 @@
+"""Turns the ranks' raw measurements into one summary: the table, the JSON, the plot."""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import statistics
+
+import torch
+from tabulate import tabulate
+
+from bench.harness import OK, BenchConfig, RankResult
+from bench.measure import TimeStats
+from bench.methods import BASELINES, METHODS
+
+_MIB = 1024 * 1024
+_MB = 1e6
+LOSS_REFERENCE = "ddp_eager"
+
+
+def _method_summary(name: str, timing: list[RankResult], profile: list[RankResult]) -> dict:
+    """One method's numbers. A step lasts until its slowest rank finishes: max over ranks."""
+    entry: dict = {"status": timing[0].status.get(name, "not run"),
+                   "description": METHODS[name].description}
+    if entry["status"] != OK:
+        return entry
+    per_step = [max(steps) for steps in zip(*(r.step_s[name] for r in timing))]
+    stats = TimeStats.of(per_step)
+    entry["step_ms"] = {"median": stats.median_s * 1e3, "min": stats.min_s * 1e3,
+                        "max": stats.max_s * 1e3, "n": stats.n}
+    entry["losses"] = [statistics.fmean(ls) for ls in zip(*(r.losses[name] for r in timing))]
+    if METHODS[name].compiled:
+        entry["dynamo"] = timing[0].dynamo.get(name)  # during the cold warm-up
+        entry["dynamo_warm"] = profile[0].dynamo.get(name)  # during the warm first step
+        # Compile time = first step less a normal step.
+        cold = max(r.first_step_s[name] for r in timing) - stats.median_s
+        warm = [r.first_step_s[name] for r in profile if name in r.first_step_s]
+        entry["compile_s"] = {"cold": cold,
+                              "warm": max(warm) - stats.median_s if len(warm) == len(profile) else None}
+    entry["profile_status"] = profile[0].status.get(name, "not run")
+    if entry["profile_status"] == OK:
+        step = profile[0].profile[name]  # every rank issues the same collectives
+        entry["collectives_per_step"] = sum(step["collectives"].values())
+        entry["collectives_by_kind"] = step["collectives"]
+        entry["comm_mb_per_step"] = sum(step["comm_bytes"].values()) / _MB
+        entry["comm_mb_by_kind"] = {k: v / _MB for k, v in step["comm_bytes"].items()}
+        entry["peak_mib_per_rank"] = [r.profile[name]["peak_bytes"] / _MIB for r in profile]
+        entry["peak_mib"] = max(entry["peak_mib_per_rank"])
+    return entry
+
+
+def summarize(cfg: BenchConfig, timing: list[RankResult], profile: list[RankResult]) -> dict:
+    methods = {name: _method_summary(name, timing, profile) for name in cfg.methods}
+    ok = [name for name, m in methods.items() if m["status"] == OK]
+
+    reference = LOSS_REFERENCE if LOSS_REFERENCE in ok else (ok[0] if ok else None)
+    for name in ok:
+        m = methods[name]
+        for base in BASELINES:
+            if base in ok:
+                m[f"ratio_vs_{base}"] = m["step_ms"]["median"] / methods[base]["step_ms"]["median"]
+        ref = methods[reference]["losses"]
+        m["loss_max_abs_diff"] = max((abs(a - b) for a, b in zip(m["losses"], ref)), default=0.0)
+
+    cpus = os.cpu_count() or 1
+    loadavg = timing[0].loadavg
+    notes = []
+    heavy = any(load[0] > cpus for load in loadavg)
+    if heavy:
+        notes.append(f"under heavy load: 1-min load average exceeded {cpus} CPUs during the run "
+                     f"({', '.join(f'{l[0]:.2f}' for l in loadavg)}); timings are unreliable")
+    if cfg.nproc > cpus:
+        notes.append(f"{cfg.nproc} ranks on {cpus} CPUs oversubscribe the machine: "
+                     "compare correctness and counts, not timings")
+    for name in ok:
+        breaks = (methods[name].get("dynamo") or {}).get("graph_breaks", 0)
+        if breaks:
+            notes.append(f"{name}: {breaks} graph break(s) while compiling")
+    if cfg.steps * cfg.repeats < 20:
+        notes.append(f"only {cfg.steps * cfg.repeats} timed steps per method (fewer than 20)")
+    return {
+        "config": {**{k: getattr(cfg, k) for k in cfg.__dataclass_fields__},
+                   "model_args": dict(cfg.model_args), "threads_per_rank": cfg.threads_per_rank},
+        "environment": {"torch": torch.__version__, "python": platform.python_version(),
+                        "cpu_count": cpus, "loadavg_per_repeat": loadavg,
+                        "heavy_load": heavy, "oversubscribed": cfg.nproc > cpus},
+        "loss_reference": reference,
+        "methods": methods,
+        "notes": notes,
+    }
+
+
+def _fmt(value, spec: str) -> str:
+    return "-" if value is None else format(value, spec)
+
+
+def format_table(summary: dict) -> str:
+    headers = ["method", "step ms median [min-max]", "x fsdp2_eager", "x ddp_eager",
+               "coll/step", "comm MB/step", "peak MiB/rank", "compile s cold/warm",
+               f"loss max|d| vs {summary['loss_reference']}"]
+    rows = []
+    for name, m in summary["methods"].items():
+        if m["status"] != OK:
+            rows.append([name, m["status"]] + ["-"] * (len(headers) - 2))
+            continue
+        t = m["step_ms"]
+        compile_s = m.get("compile_s")
+        rows.append([
+            name,
+            f"{t['median']:.1f} [{t['min']:.1f}-{t['max']:.1f}]",
+            _fmt(m.get("ratio_vs_fsdp2_eager"), ".2f"),
+            _fmt(m.get("ratio_vs_ddp_eager"), ".2f"),
+            _fmt(m.get("collectives_per_step"), "d"),
+            _fmt(m.get("comm_mb_per_step"), ".2f"),
+            _fmt(m.get("peak_mib"), ".1f"),
+            "-" if compile_s is None
+            else f"{_fmt(compile_s['cold'], '.1f')} / {_fmt(compile_s['warm'], '.1f')}",
+            f"{m['loss_max_abs_diff']:.2e}",
+        ])
+    return tabulate(rows, headers=headers, disable_numparse=True)
+
+
+def write_json(summary: dict, path: str) -> None:
+    with open(path, "w") as f:
+        json.dump(summary, f, indent=2)
+
+
+def plot(summary: dict, path: str) -> str | None:
+    """Bar charts of step time and peak memory per method; returns a note if skipped."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return "matplotlib is not installed: no plot (pip install matplotlib)"
+    ok = {n: m for n, m in summary["methods"].items() if m["status"] == OK}
+    if not ok:
+        return "no method ran: no plot"
+    names = list(ok)
+    fig, (ax_t, ax_m) = plt.subplots(1, 2, figsize=(12, 4.5))
+    median = [ok[n]["step_ms"]["median"] for n in names]
+    low = [median[i] - ok[n]["step_ms"]["min"] for i, n in enumerate(names)]
+    high = [ok[n]["step_ms"]["max"] - median[i] for i, n in enumerate(names)]
+    ax_t.bar(names, median, yerr=[low, high], capsize=4)
+    ax_t.set_ylabel("step time, ms (median, min-max)")
+    ax_m.bar(names, [ok[n].get("peak_mib", 0.0) for n in names], color="tab:orange")
+    ax_m.set_ylabel("peak MiB per rank")
+    for ax in (ax_t, ax_m):
+        ax.tick_params(axis="x", rotation=30)
+    cfg = summary["config"]
+    args = ", ".join(f"{k}={v}" for k, v in cfg["model_args"].items())
+    fig.suptitle(f"{cfg['model']}{f' ({args})' if args else ''}, world size {cfg['nproc']}, "
+                 f"global batch {cfg['batch']}, seq {cfg['seq']}")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return None

@@ -1,0 +1,76 @@
+"""What every method trains: one model, one global batch, one loss, the same on every rank."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+import torch.nn as nn
+
+from graphshard.models import BUILTIN_MODELS, build_model, cross_entropy_loss, synthetic_tokens
+
+HF_LLAMA = "hf-llama"
+# llama3-8b is left out: at full size it does not fit a benchmark on these machines.
+MODEL_NAMES = (*(n for n in ("transformer", "transformer-large", "llama") if n in BUILTIN_MODELS),
+               HF_LLAMA)
+
+
+class ModelUnavailable(RuntimeError):
+    """The model needs an optional package that is not installed."""
+
+
+@dataclass
+class Workload:
+    model: nn.Module  # pristine initial weights; every method trains its own deep copy
+    global_inputs: tuple[torch.Tensor, ...]
+    loss_fn: Callable[..., torch.Tensor]  # loss = loss_fn(output, *inputs)
+
+    def local_inputs(self, rank: int, world_size: int) -> tuple[torch.Tensor, ...]:
+        """This rank's 1/world_size slice of the global batch (dim 0)."""
+        return tuple(t.chunk(world_size, dim=0)[rank].contiguous() for t in self.global_inputs)
+
+
+class _LogitsOnly(nn.Module):
+    """Adapts a Hugging Face causal LM to the `model(tokens) -> logits` convention."""
+
+    def __init__(self, inner: nn.Module):
+        super().__init__()
+        self.inner = inner
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        return self.inner(input_ids=tokens, use_cache=False).logits
+
+
+def _build_hf_llama(batch: int, seq_len: int, **overrides) -> tuple[nn.Module, tuple, Callable]:
+    try:
+        from transformers import LlamaConfig, LlamaForCausalLM
+    except ImportError as exc:
+        raise ModelUnavailable(f"{HF_LLAMA} needs Hugging Face transformers ({exc})") from exc
+    # Small config, random weights: nothing is downloaded.
+    settings = dict(vocab_size=512, hidden_size=256, intermediate_size=688,
+                    num_hidden_layers=4, num_attention_heads=8, num_key_value_heads=4,
+                    max_position_embeddings=max(128, seq_len))
+    settings.update(overrides)
+    config = LlamaConfig(**settings)
+    model = _LogitsOnly(LlamaForCausalLM(config))
+    tokens = synthetic_tokens(config.vocab_size, batch, seq_len)
+    return model, (tokens,), cross_entropy_loss
+
+
+def build_workload(name: str, batch: int, seq_len: int, seed: int, overrides: dict) -> Workload:
+    """Build `name` with the global batch, seeded so every rank and method starts identical."""
+    torch.manual_seed(seed)
+    if name == HF_LLAMA:
+        model, inputs, loss_fn = _build_hf_llama(batch, seq_len, **overrides)
+    else:
+        model, inputs, loss_fn = build_model(name, batch=batch, seq_len=seq_len, **overrides)
+    return Workload(model, tuple(inputs), loss_fn)
+
+
+def transformer_blocks(model: nn.Module) -> nn.ModuleList:
+    """The repeated blocks (the first `layers` ModuleList): FSDP2 shards each one separately."""
+    for name, module in model.named_modules():
+        if name.rsplit(".", 1)[-1] == "layers" and isinstance(module, nn.ModuleList):
+            return module
+    raise ValueError(f"{type(model).__name__} has no `layers` ModuleList of blocks")
