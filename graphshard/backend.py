@@ -98,10 +98,12 @@ class GraphshardCompiler:
     def __init__(self, options: GraphshardOptions, observer: StageObserver | None = None):
         self.options = options
         self.observer = observer
+        self.cluster = (ClusterSpec.from_json(options.cluster) if options.cluster
+                        else ClusterSpec.default())
 
     def _graph_compiler(self, graph_kind: str, param_order: Mapping[str, int]):
         def compile_graph(gm: fx.GraphModule, example_inputs: Sequence[Any]):
-            ctx = PassContext(graph_kind, self.options, param_order)
+            ctx = PassContext(graph_kind, self.options, param_order, self.cluster)
             gm = run_pipeline(gm, ctx, self.observer)
             if self.options.compiler == "eager":
                 return make_boxed_func(gm.forward)

@@ -5,6 +5,7 @@
 
 from __future__ import annotations
 
+import os
 from dataclasses import asdict, dataclass, fields
 from typing import Any, Mapping
 
@@ -16,6 +17,7 @@ class GraphshardOptions:
     prefetch: int = 1  # how many units ahead an all-gather may be issued
     max_inflight_mb: float | None = None  # budget for prefetched unsharded bytes; None = no cap
     compiler: str = "inductor"  # final compiler: "inductor", or "eager" (run the FX graph)
+    cluster: str | None = None  # cost-model JSON from `graphshard calibrate`; None: built-in
 
     def __post_init__(self):
         def check(ok: bool, message: str) -> None:
@@ -31,6 +33,8 @@ class GraphshardOptions:
             isinstance(self.max_inflight_mb, (int, float)) and not isinstance(self.max_inflight_mb, bool)
             and self.max_inflight_mb >= 0),
             f"max_inflight_mb must be a number >= 0 or None, got {self.max_inflight_mb!r}")
+        check(self.cluster is None or (isinstance(self.cluster, str) and os.path.isfile(self.cluster)),
+              f"cluster must be the path of a JSON file from `graphshard calibrate`, got {self.cluster!r}")
         check(self.compiler in ("inductor", "eager"),
               f"compiler must be 'inductor' or 'eager', got {self.compiler!r}")
 

@@ -72,3 +72,15 @@ def test_unknown_option_through_torch_compile_fails_clearly(fake_pg):
     compiled = torch.compile(model, backend="graphshard", options={"bogus": 1})
     with pytest.raises(Exception, match="unknown graphshard option"):
         compiled(torch.randn(2, 4))
+
+
+def test_cluster_option_must_name_a_calibration_file(tmp_path):
+    with pytest.raises(ValueError, match="cluster must be the path of a JSON file"):
+        GraphshardOptions.from_dict({"cluster": str(tmp_path / "missing.json")})
+    from graphshard.cost_model import ClusterSpec
+    from graphshard.backend import GraphshardCompiler
+    path = tmp_path / "cluster.json"
+    spec = ClusterSpec(latency_s=1e-5, bandwidth_Bps=1e10, flops_per_s=1e12,
+                       memory_bandwidth_Bps=1e11, kernel_overhead_s=1e-6)
+    path.write_text(spec.to_json())
+    assert GraphshardCompiler(GraphshardOptions.from_dict({"cluster": str(path)})).cluster == spec
