@@ -6,7 +6,7 @@ import argparse
 import ast
 import sys
 
-from bench.methods import DEFAULT_METHODS, METHODS
+from bench.methods import DEFAULT_METHODS, METHODS, method
 from bench.workload import MODEL_NAMES, ModelUnavailable, build_workload
 
 
@@ -24,9 +24,17 @@ def _model_args(text: str) -> tuple[tuple[str, object], ...]:
     return tuple(pairs)
 
 
+def _known(name: str) -> bool:
+    try:
+        method(name)
+        return True
+    except (KeyError, ValueError):
+        return False
+
+
 def _methods(text: str) -> tuple[str, ...]:
     names = tuple(n.strip() for n in text.split(",") if n.strip())
-    unknown = [n for n in names if n not in METHODS]
+    unknown = [n for n in names if not _known(n)]
     if unknown or not names:
         raise argparse.ArgumentTypeError(f"unknown method(s) {unknown}; valid: {', '.join(METHODS)}")
     return names

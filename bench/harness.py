@@ -34,7 +34,7 @@ import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from bench.measure import analyze, measured_step, memory_profile
-from bench.methods import METHODS, MethodUnavailable
+from bench.methods import MethodUnavailable, method
 from bench.workload import Workload, build_workload
 
 OK = "ok"
@@ -104,7 +104,7 @@ def make_train_step(
 
 def set_up(name: str, cfg: BenchConfig, workload: Workload, mesh: DeviceMesh,
            inputs: tuple[torch.Tensor, ...]) -> Callable[[], torch.Tensor]:
-    module = METHODS[name].setup(copy.deepcopy(workload.model), mesh)
+    module = method(name).setup(copy.deepcopy(workload.model), mesh)
     return make_train_step(module, workload.loss_fn, inputs, make_optimizer(cfg, module.parameters()))
 
 
@@ -187,7 +187,7 @@ def _run_steps(name: str, step: Callable[[], torch.Tensor], count: int, result: 
 
 def timing_phase(cfg: BenchConfig, workload: Workload, mesh: DeviceMesh, inputs) -> RankResult:
     result = RankResult()
-    if any(METHODS[name].compiled for name in cfg.methods):
+    if any(method(name).compiled for name in cfg.methods):
         _prime_inductor()
     steps = _set_up_all(cfg, workload, mesh, inputs, result)
 
@@ -216,13 +216,13 @@ def timing_phase(cfg: BenchConfig, workload: Workload, mesh: DeviceMesh, inputs)
 
 def profile_phase(cfg: BenchConfig, workload: Workload, mesh: DeviceMesh, inputs) -> RankResult:
     result = RankResult()
-    compiled = [name for name in cfg.methods if METHODS[name].compiled]
+    compiled = [name for name in cfg.methods if method(name).compiled]
     if compiled:
         _prime_inductor()
     for name in cfg.methods:
         result.losses[name] = []
         try:
-            if METHODS[name].compiled:
+            if method(name).compiled:
                 # Warm compile: fresh process, cache filled by the timing launch, no profiler.
                 before = _dynamo_counts()
                 step = set_up(name, cfg, workload, mesh, inputs)

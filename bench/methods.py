@@ -121,3 +121,17 @@ METHODS: dict[str, Method] = {
 # Ratios in the table are against these two.
 BASELINES = ("fsdp2_eager", "ddp_eager")
 DEFAULT_METHODS = tuple(METHODS)
+
+
+def method(name: str) -> Method:
+    """A registered method, or a graphshard variant spelled `graphshard:KEY=VALUE+KEY=VALUE`
+    (backend options, e.g. `graphshard:reorder=false+bucket_mb=0`)."""
+    if name in METHODS:
+        return METHODS[name]
+    base, sep, spec = name.partition(":")
+    if base == "graphshard" and sep:
+        from graphshard.options import parse_option_strings
+
+        options = parse_option_strings(spec.split("+"))
+        return Method(_graphshard_compiled(options), True, f"graphshard with {options}")
+    raise KeyError(name)

@@ -12,7 +12,7 @@ from tabulate import tabulate
 
 from bench.harness import OK, BenchConfig, RankResult
 from bench.measure import TimeStats
-from bench.methods import BASELINES, METHODS
+from bench.methods import BASELINES, method
 
 _MIB = 1024 * 1024
 _MB = 1e6
@@ -22,7 +22,7 @@ LOSS_REFERENCE = "ddp_eager"
 def _method_summary(name: str, timing: list[RankResult], profile: list[RankResult]) -> dict:
     """One method's numbers. A step lasts until its slowest rank finishes: max over ranks."""
     entry: dict = {"status": timing[0].status.get(name, "not run"),
-                   "description": METHODS[name].description}
+                   "description": method(name).description}
     if entry["status"] != OK:
         return entry
     per_step = [max(steps) for steps in zip(*(r.step_s[name] for r in timing))]
@@ -30,7 +30,7 @@ def _method_summary(name: str, timing: list[RankResult], profile: list[RankResul
     entry["step_ms"] = {"median": stats.median_s * 1e3, "min": stats.min_s * 1e3,
                         "max": stats.max_s * 1e3, "n": stats.n}
     entry["losses"] = [statistics.fmean(ls) for ls in zip(*(r.losses[name] for r in timing))]
-    if METHODS[name].compiled:
+    if method(name).compiled:
         entry["dynamo"] = timing[0].dynamo.get(name)  # during the cold warm-up
         entry["dynamo_warm"] = profile[0].dynamo.get(name)  # during the warm first step
         # Compile time = first step less a normal step.

@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Mapping, Sequence
 
 import torch
+import torch.distributed as dist
 import torch.fx as fx
 from torch._dynamo.backends.common import aot_autograd
 from torch._functorch.aot_autograd import make_boxed_func
@@ -26,8 +27,11 @@ from passes.graph_utils import is_reduce_grad, is_unshard
 from passes.bucket_collectives import bucket_collectives
 from passes.insert_collectives import insert_collectives
 from passes.merge_duplicate_unshards import merge_duplicate_unshards
+from passes.reduce_scatter_via_all_to_all import reduce_scatter_via_all_to_all
 from passes.reorder_collectives import ReorderPolicy, reorder_collectives
 from passes.reshard_policy import tag_reshard_policy
+
+REDUCE_GROUPS_ARG = 6  # index of reduce_groups in graphshard::unshard's schema
 
 
 @dataclass(frozen=True)
@@ -38,6 +42,7 @@ class PassContext:
     options: GraphshardOptions
     param_order: Mapping[str, int] = field(default_factory=dict)  # name -> registration index
     cluster: ClusterSpec = field(default_factory=ClusterSpec.default)  # cost-model parameters
+    reduce_scatter_via_all_to_all: bool = False  # resolved from options.reduce_scatter
 
 
 def _schedule(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
@@ -58,10 +63,30 @@ class Stage:
     enabled: Callable[[GraphshardOptions], bool] = lambda options: True
 
 
+def _transport(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
+    """Adapt collectives to the process group's transport (after all analysis)."""
+    if ctx.reduce_scatter_via_all_to_all:
+        gm = reduce_scatter_via_all_to_all(gm, ctx)
+    return gm
+
+
+def _uses_gloo(gm: fx.GraphModule) -> bool:
+    """Whether the groups the markers reduce over are gloo groups (live ones, not fake)."""
+    from torch.distributed.distributed_c10d import _resolve_process_group
+
+    names = {name for node in gm.graph.nodes if is_unshard(node) for name in node.args[REDUCE_GROUPS_ARG]}
+    try:
+        backends = {dist.get_backend(_resolve_process_group(name)) for name in names}
+    except (RuntimeError, ValueError, KeyError):
+        return False
+    return backends == {"gloo"}
+
+
 PIPELINE: tuple[Stage, ...] = (
     Stage("lowered", insert_collectives),
     Stage("bucketed", bucket_collectives, enabled=lambda options: options.bucket_mb > 0),
     Stage("scheduled", _schedule, enabled=lambda options: options.reorder),
+    Stage("transport", _transport, enabled=lambda options: options.reduce_scatter != "native"),
 )
 STAGES: tuple[str, ...] = ("captured",) + tuple(stage.name for stage in PIPELINE)
 
@@ -101,9 +126,9 @@ class GraphshardCompiler:
         self.cluster = (ClusterSpec.from_json(options.cluster) if options.cluster
                         else ClusterSpec.default())
 
-    def _graph_compiler(self, graph_kind: str, param_order: Mapping[str, int]):
+    def _graph_compiler(self, graph_kind: str, param_order: Mapping[str, int], via_all_to_all: bool):
         def compile_graph(gm: fx.GraphModule, example_inputs: Sequence[Any]):
-            ctx = PassContext(graph_kind, self.options, param_order, self.cluster)
+            ctx = PassContext(graph_kind, self.options, param_order, self.cluster, via_all_to_all)
             gm = run_pipeline(gm, ctx, self.observer)
             if self.options.compiler == "eager":
                 return make_boxed_func(gm.forward)
@@ -128,14 +153,16 @@ class GraphshardCompiler:
         param_order = dict(
             getattr(x, "_graphshard_order") for x in example_inputs if hasattr(x, "_graphshard_order")
         )
+        mode = self.options.reduce_scatter
+        via_all_to_all = mode == "all_to_all" or (mode == "auto" and _uses_gloo(gm))
         from torch._inductor.decomposition import select_decomp_table
         from torch._inductor.virtualized import V
         from torch._guards import detect_fake_mode
 
         backend = aot_autograd(
-            fw_compiler=self._graph_compiler("forward", param_order),
-            bw_compiler=self._graph_compiler("backward", param_order),
-            inference_compiler=self._graph_compiler("inference", param_order),
+            fw_compiler=self._graph_compiler("forward", param_order, via_all_to_all),
+            bw_compiler=self._graph_compiler("backward", param_order, via_all_to_all),
+            inference_compiler=self._graph_compiler("inference", param_order, via_all_to_all),
             partition_fn=_partition,
             decompositions=select_decomp_table(),
             keep_inference_input_mutations=True,

@@ -12,7 +12,7 @@ TARGET is a built-in model name (`graphshard.models.BUILTIN_MODELS`: transformer
 transformer-large, llama, llama3-8b), or `package.module:factory`, or `path/to/file.py:factory`.
 A factory returns `(model, example_inputs)` or `(model, example_inputs, loss_fn)`; `--batch`,
 `--seq` and `--model-args` become its keyword arguments (built-ins: batch=1, seq_len=128 unless
-given). `--stage` is a stage of `backend.STAGES` (captured, lowered, bucketed, scheduled),
+given). `--stage` is a stage of `backend.STAGES` (captured, lowered, bucketed, scheduled, transport),
 `all`, or `none`; default: the final stage. Bad input exits with status 2 and one line on stderr;
 a model that fails to compile, with status 1.
 

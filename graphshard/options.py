@@ -16,6 +16,7 @@ class GraphshardOptions:
     reorder: bool = True  # prefetch all-gathers and delay reduce-scatter waits
     prefetch: int = 1  # how many units ahead an all-gather may be issued
     max_inflight_mb: float | None = None  # budget for prefetched unsharded bytes; None = no cap
+    reduce_scatter: str = "auto"  # "native", "all_to_all" (+ local sum), "auto": a2a on gloo
     compiler: str = "inductor"  # final compiler: "inductor", or "eager" (run the FX graph)
     cluster: str | None = None  # cost-model JSON from `graphshard calibrate`; None: built-in
 
@@ -35,6 +36,8 @@ class GraphshardOptions:
             f"max_inflight_mb must be a number >= 0 or None, got {self.max_inflight_mb!r}")
         check(self.cluster is None or (isinstance(self.cluster, str) and os.path.isfile(self.cluster)),
               f"cluster must be the path of a JSON file from `graphshard calibrate`, got {self.cluster!r}")
+        check(self.reduce_scatter in ("auto", "native", "all_to_all"),
+              f"reduce_scatter must be 'auto', 'native' or 'all_to_all', got {self.reduce_scatter!r}")
         check(self.compiler in ("inductor", "eager"),
               f"compiler must be 'inductor' or 'eager', got {self.compiler!r}")
 

@@ -134,8 +134,10 @@ def _copy_out(emit, buffer, dim: int, members: list[fx.Node], numels: list[int])
     outputs, offset = [], 0
     for member, numel in zip(members, numels):
         piece = emit(aten.slice.Tensor, buffer, dim, offset, offset + numel)
-        shape = list(member.meta["val"].shape)
-        outputs.append(emit(aten.clone.default, emit(aten.reshape.default, piece, shape)))
+        out = emit(aten.reshape.default, piece, list(member.meta["val"].shape))
+        # A column slice (dim 1) is strided, so reshape already copies; a dim-0 slice is a
+        # view of the whole buffer, which must not outlive the bucket: copy it.
+        outputs.append(emit(aten.clone.default, out) if dim == 0 else out)
         offset += numel
     return outputs
 

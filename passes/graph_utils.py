@@ -21,6 +21,7 @@ ALL_GATHER = c10d.all_gather_into_tensor.default
 REDUCE_SCATTER = c10d.reduce_scatter_tensor.default
 ALL_REDUCE = c10d.all_reduce.default
 WAIT = c10d.wait_tensor.default
+ALL_TO_ALL = c10d.all_to_all_single.default
 COLLECTIVES = {ALL_GATHER: "all_gather", REDUCE_SCATTER: "reduce_scatter", ALL_REDUCE: "all_reduce"}
 
 
@@ -38,6 +39,10 @@ def is_unshard(node: fx.Node) -> bool:
 
 def is_reduce_grad(node: fx.Node) -> bool:
     return _is_op(node, "reduce_grad")
+
+
+def call_nodes(gm: fx.GraphModule, target) -> list[fx.Node]:
+    return [n for n in gm.graph.nodes if n.op == "call_function" and n.target is target]
 
 
 def is_collective(node: fx.Node) -> bool:

@@ -228,3 +228,22 @@ def test_world_size_64_llama_buckets_per_block(fake_pg):
         assert gather.args[1] == 64
     rs = call_nodes(graphs[("backward", "scheduled")], REDUCE_SCATTER)
     assert len(rs) == 5 and all(node.args[2] == 64 for node in rs)
+
+
+def test_reduce_scatter_via_all_to_all_keeps_shapes_and_placement():
+    from passes.graph_utils import ALL_TO_ALL
+    from passes.reduce_scatter_via_all_to_all import reduce_scatter_via_all_to_all
+
+    params = [("layers.0.a", (11, 3), torch.float32), ("layers.0.b", (5,), torch.float32)]
+    gm = bucket_collectives(gather_graph(4, params, backward=True), ctx(bucket_mb=64))
+    shapes = [tuple(v.meta["val"].shape) for v in gm.graph.output_node().args[0]]
+    (scatter,) = call_nodes(gm, REDUCE_SCATTER)
+    before, after = scatter.prev, wait_of(scatter).next
+    gm = reduce_scatter_via_all_to_all(gm)
+    assert call_nodes(gm, REDUCE_SCATTER) == []
+    (exchange,) = call_nodes(gm, ALL_TO_ALL)
+    assert exchange.args[1] == exchange.args[2] == [exchange.meta["val"].numel() // 4] * 4
+    assert [tuple(v.meta["val"].shape) for v in gm.graph.output_node().args[0]] == shapes
+    order = node_order(gm.graph)
+    # issued where the reduce-scatter was, reduced locally where its wait was
+    assert order[before] < order[exchange] < order[wait_of(exchange)] < order[after]
