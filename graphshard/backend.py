@@ -19,6 +19,7 @@ import torch.distributed as dist
 import torch.fx as fx
 from torch._dynamo.backends.common import aot_autograd
 from torch._functorch.aot_autograd import make_boxed_func
+from torch.distributed.tensor import DTensor
 
 from graphshard import ops  # noqa: F401  (registers torch.ops.graphshard.*)
 from graphshard.cost_model import ClusterSpec, collective_node_cost, node_cost
@@ -74,7 +75,7 @@ def _uses_gloo(gm: fx.GraphModule) -> bool:
     """Whether the groups the markers reduce over are gloo groups (live ones, not fake)."""
     from torch.distributed.distributed_c10d import _resolve_process_group
 
-    names = {name for node in gm.graph.nodes if is_unshard(node) for name in node.args[REDUCE_GROUPS_ARG]}
+    names = {name for node in _all_nodes(gm) if is_unshard(node) for name in node.args[REDUCE_GROUPS_ARG]}
     try:
         backends = {dist.get_backend(_resolve_process_group(name)) for name in names}
     except (RuntimeError, ValueError, KeyError):
@@ -94,8 +95,28 @@ STAGES: tuple[str, ...] = ("captured",) + tuple(stage.name for stage in PIPELINE
 StageObserver = Callable[[str, str, fx.GraphModule], None]
 
 
+def _all_nodes(gm: fx.GraphModule):
+    """Nodes of the graph and of its subgraphs (activation-checkpoint and other HOP bodies)."""
+    for module in gm.modules():
+        if isinstance(module, fx.GraphModule):
+            yield from module.graph.nodes
+
+
 def has_markers(gm: fx.GraphModule) -> bool:
-    return any(is_unshard(node) or is_reduce_grad(node) for node in gm.graph.nodes)
+    return any(is_unshard(node) or is_reduce_grad(node) for node in _all_nodes(gm))
+
+
+def _check_all_parameters_sharded(example_inputs: Sequence[Any]) -> None:
+    # A parameter added after shard() (an adapter, a re-assigned weight) would get no gradient
+    # reduction at all: each rank would silently train its own copy.
+    plain = [tuple(x.shape) for x in example_inputs
+             if isinstance(x, torch.nn.Parameter) and x.requires_grad and not isinstance(x, DTensor)]
+    if plain:
+        raise ValueError(
+            f"{len(plain)} trainable parameter(s) of shapes {plain[:4]} are not sharded (added or "
+            "replaced after graphshard.shard?): their gradients would never be averaged across "
+            "ranks. Create all parameters before graphshard.shard(model), or freeze them."
+        )
 
 
 def run_pipeline(gm: fx.GraphModule, ctx: PassContext,
@@ -134,9 +155,15 @@ class GraphshardCompiler:
                 return make_boxed_func(gm.forward)
             from torch._inductor.compile_fx import compile_fx_inner
 
+            from torch._inductor import config as inductor_config
+
             # Inductor mutates the graph it compiles; observers already hold their copies.
-            return compile_fx_inner(gm, example_inputs, is_backward=graph_kind == "backward",
-                                    is_inference=graph_kind == "inference")
+            # Its peak-memory reordering knows nothing of collectives and sizes differ by rank
+            # (uneven shards): it could undo our schedule or order collectives differently on
+            # different ranks (a hang). Our schedule stands.
+            with inductor_config.patch(reorder_for_peak_memory=False):
+                return compile_fx_inner(gm, example_inputs, is_backward=graph_kind == "backward",
+                                        is_inference=graph_kind == "inference")
 
         return compile_graph
 
@@ -148,6 +175,7 @@ class GraphshardCompiler:
             from torch._inductor.compile_fx import compile_fx
 
             return compile_fx(gm, example_inputs)
+        _check_all_parameters_sharded(example_inputs)
         gm = merge_duplicate_unshards(gm)
         # shard() tags each parameter with (name, registration index); bucketing packs by it.
         param_order = dict(

@@ -117,6 +117,16 @@ def _named_param_slots(model: nn.Module) -> Iterator[tuple[nn.Module, str, str, 
                 yield module, name, f"{module_name}.{name}" if module_name else name, param
 
 
+def _contiguous_strides(shape: torch.Size) -> tuple[int, ...]:
+    # The local shard is a contiguous clone, so the global layout is contiguous too (the
+    # original parameter may have been a transposed view).
+    strides, step = [], 1
+    for size in reversed(shape):
+        strides.append(step)
+        step *= max(size, 1)
+    return tuple(reversed(strides))
+
+
 def _local_dim0_slice(full: torch.Tensor, coordinate: int, size: int) -> torch.Tensor:
     chunks = torch.chunk(full, size, dim=0)
     if coordinate < len(chunks):
@@ -211,7 +221,7 @@ def _shard_param(param: nn.Parameter, fqn: str, mesh: DeviceMesh, strategy: Shar
         placements = [Replicate()] * mesh.ndim
     dtensor = DTensor.from_local(
         local.clone(memory_format=torch.contiguous_format), mesh, placements,
-        run_check=False, shape=param.shape, stride=param.stride() if param.dim() else (),
+        run_check=False, shape=param.shape, stride=_contiguous_strides(param.shape),
     )
     new_param = nn.Parameter(dtensor, requires_grad=param.requires_grad)
     compute_dtype = policy.param_dtype if param.is_floating_point() else None

@@ -66,22 +66,28 @@ def plan_buckets(gm: fx.GraphModule, cap_bytes: float,
     param_order = param_order or {}
     order = node_order(gm.graph)
     collectives = [n for n in gm.graph.nodes if is_collective(n)]
-    # Consecutive runs (per kind, group and dtype) of collectives in the same unit; runs of
-    # collectives outside repeated blocks are leftover units ("<other 1>", "<other 2>", ...).
+    # Runs of consecutive collectives of one kind in the same unit (a collective of that kind
+    # from another unit closes them), split by process group and dtype. Runs of collectives
+    # outside repeated blocks are leftover units ("<other 1>", "<other 2>", ...).
     runs: list[Bucket] = []
-    open_run: dict[tuple, tuple[str | None, Bucket]] = {}
+    unit_of_kind: dict[str, str | None] = {}
+    open_runs: dict[str, dict[tuple, Bucket]] = {}
+    label_of_kind: dict[str, str] = {}
     leftovers = 0
     for node in collectives:
         kind = collective_kind(node)
-        key = (kind, collective_group(node)[0], node.args[0].meta["val"].dtype)
         unit = _unit_label(node)
-        if key not in open_run or open_run[key][0] != unit:
+        if kind not in unit_of_kind or unit_of_kind[kind] != unit:
             if unit is None:
                 leftovers += 1
-            run = Bucket(kind, unit if unit is not None else f"<other {leftovers}>")
-            runs.append(run)
-            open_run[key] = (unit, run)
-        open_run[key][1].members.append(node)
+            unit_of_kind[kind] = unit
+            label_of_kind[kind] = unit if unit is not None else f"<other {leftovers}>"
+            open_runs[kind] = {}
+        key = (collective_group(node)[0], node.args[0].meta["val"].dtype)
+        if key not in open_runs[kind]:
+            open_runs[kind][key] = Bucket(kind, label_of_kind[kind])
+            runs.append(open_runs[kind][key])
+        open_runs[kind][key].members.append(node)
 
     def packing_key(node: fx.Node):
         params = collective_params(node)

@@ -85,9 +85,12 @@ def sink_gather_waits(gm: fx.GraphModule) -> None:
 
 
 def _compute_between(gm: fx.GraphModule, start: fx.Node, end: fx.Node, seconds: NodeSeconds) -> float:
+    # Only compute on full (gathered) tensors counts: our own prep nodes work on local shards,
+    # whose sizes differ between ranks with uneven shards, and every rank must reach the same
+    # schedule (collectives issued in a different order on different ranks hang).
     total, node = 0.0, start.next
     while node is not end and node.op != "root":
-        if not is_collective(node) and not is_wait(node):
+        if not is_collective(node) and not is_wait(node) and "graphshard_role" not in node.meta:
             total += seconds(node)
         node = node.next
     return total

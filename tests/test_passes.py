@@ -247,3 +247,14 @@ def test_reduce_scatter_via_all_to_all_keeps_shapes_and_placement():
     order = node_order(gm.graph)
     # issued where the reduce-scatter was, reduced locally where its wait was
     assert order[before] < order[exchange] < order[wait_of(exchange)] < order[after]
+
+
+def test_a_run_closes_when_another_unit_of_the_same_kind_intervenes_even_in_another_dtype():
+    # embedding (fp32), blocks (bf16), head (fp32): the head must not join the embedding's bucket
+    names = [("emb.weight", torch.float32), ("layers.0.w", torch.bfloat16),
+             ("layers.1.w", torch.bfloat16), ("head.weight", torch.float32)]
+    gm = gather_graph(8, [(n, (8, 4), d) for n, d in names])
+    plan = plan_buckets(gm, 0)
+    assert [(b.unit, [collective_params(m)[0] for m in b.members]) for b in plan] == [
+        ("<other 1>", ["emb.weight"]), ("layers.0", ["layers.0.w"]), ("layers.1", ["layers.1.w"]),
+        ("<other 2>", ["head.weight"])]
