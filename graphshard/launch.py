@@ -91,8 +91,10 @@ def run_local(fn: Callable[..., Any], world_size: int, *args, timeout_s: float =
 
 
 def _first_error(result_dir: str) -> str | None:
-    for name in sorted(os.listdir(result_dir)):
-        if name.endswith(".err"):
-            with open(os.path.join(result_dir, name)) as f:
-                return f"{name[:-4]} failed:\n{f.read()}"
-    return None
+    # The first rank to fail is the root cause; later ones often just lost their peer.
+    errors = [n for n in os.listdir(result_dir) if n.endswith(".err")]
+    if not errors:
+        return None
+    first = min(errors, key=lambda n: os.path.getmtime(os.path.join(result_dir, n)))
+    with open(os.path.join(result_dir, first)) as f:
+        return f"{first[:-4]} failed:\n{f.read()}"

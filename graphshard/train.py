@@ -44,6 +44,9 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     args = parser.parse_args(argv)
     if args.nproc < 1 or args.steps < 1:
         parser.error("--nproc and --steps must be >= 1")
+    if args.batch % args.nproc and not launched_by_torchrun():
+        parser.error(f"--batch {args.batch} must be divisible by --nproc {args.nproc} "
+                     "(each rank takes an equal slice of the global batch)")
     try:
         args.options = parse_option_strings(args.option)
     except ValueError as exc:

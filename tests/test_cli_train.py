@@ -32,3 +32,5 @@ def test_train_rejects_bad_arguments():
     assert proc.returncode != 0 and "invalid choice: 'zero9'" in proc.stderr
     proc = _run("train", "--option", "bucket_size=3")
     assert proc.returncode != 0 and "unknown graphshard option 'bucket_size'" in proc.stderr
+    proc = _run("train", "--nproc", "3", "--batch", "8")
+    assert proc.returncode != 0 and "--batch 8 must be divisible by --nproc 3" in proc.stderr
