@@ -85,6 +85,13 @@ def _sharded_class(cls: type, param_names: tuple[str, ...]) -> type:
     # one guard set and one compiled graph for identical blocks.
     properties = {name: _param_property(name) for name in param_names}
     properties["_graphshard_base_class"] = cls
+    if issubclass(cls, nn.RNNBase):
+        # RNNs cache their parameter objects in `_flat_weights` at construction; read them
+        # through the properties instead, or the cached, unsharded originals would be used.
+        properties["_flat_weights"] = property(
+            lambda self: [getattr(self, n) if n in self._parameters else None
+                          for n in self._flat_weights_names],
+            lambda self, value: None)
     return type(f"Sharded{cls.__name__}", (cls,), properties)
 
 

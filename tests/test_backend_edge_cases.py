@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -95,3 +97,20 @@ def test_a_parameter_added_after_shard_is_refused(gloo1):
     compiled = torch.compile(model, backend="graphshard", options=EAGER_PASSES)
     with pytest.raises(Exception, match="not sharded.*added or replaced after graphshard.shard"):
         compiled(torch.randn(2, 4))
+
+
+def test_rnn_modules_use_the_sharded_parameters(gloo1):
+    torch.manual_seed(0)
+    reference = nn.LSTM(4, 6, batch_first=True)
+    model = graphshard.shard(copy.deepcopy(reference))
+    with torch.no_grad():  # change the sharded weights: the RNN must see the change
+        for p in model.parameters():
+            p.mul_(0.5)
+        for p in reference.parameters():
+            p.mul_(0.5)
+    x = torch.randn(2, 3, 4)
+    out, _ = model(x)
+    expected, _ = reference(x)
+    assert torch.allclose(out, expected, atol=1e-6)
+    out.sum().backward()
+    assert all(p.grad is not None for p in model.parameters())
