@@ -34,3 +34,20 @@ def test_train_rejects_bad_arguments():
     assert proc.returncode != 0 and "unknown graphshard option 'bucket_size'" in proc.stderr
     proc = _run("train", "--nproc", "3", "--batch", "8")
     assert proc.returncode != 0 and "--batch 8 must be divisible by --nproc 3" in proc.stderr
+
+
+def test_train_demo_under_torchrun():
+    proc = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
+         "--master-addr", "127.0.0.1", "--master-port", str(_free_port()),
+         "-m", "graphshard", "train", "--steps", "2", "--no-compile", "--batch", "4", "--seq", "8"],
+        capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert len(re.findall(r"step +\d+/2 +loss", proc.stdout)) == 2  # rank 0 reports once
+    assert "params MiB" in proc.stdout
+
+
+def _free_port() -> int:
+    from graphshard.launch import free_port
+
+    return free_port()
