@@ -208,19 +208,27 @@ def _ensure_leaves(model: nn.Module, sync: GradSync, partial: bool) -> None:
                                                    local.device)
 
 
+def _switch_accumulation(model: nn.Module, accumulate: bool, partial: bool) -> GradSync:
+    """Start or end one kind of accumulation: full unsharded gradients (partial=False) or
+    shard-sized partial sums that skip only the replica all-reduce (partial=True)."""
+    sync = _grad_sync(model)
+    if not accumulate:
+        sync.release(partial=partial)
+        return sync
+    if sync.accumulating(partial=not partial):
+        setters = ("set_requires_gradient_sync", "set_requires_all_reduce")
+        this, other = setters[::-1] if partial else setters
+        raise RuntimeError(f"{this}(False) after {other}(False) micro-batches: finish that "
+                           "accumulation with a synced micro-batch first")
+    _ensure_leaves(model, sync, partial=partial)
+    return sync
+
+
 def set_requires_gradient_sync(model: nn.Module, requires_gradient_sync: bool) -> None:
     """False: backward passes keep full (unsharded) gradients locally, summed over micro-batches,
     and reduce nothing (parameters' `.grad` stays untouched). The next forward+backward with
     True adds the sum to its own gradient and reduces once."""
-    sync = _grad_sync(model)
-    if not requires_gradient_sync:
-        if sync.accumulating(partial=True):
-            raise RuntimeError(
-                "set_requires_gradient_sync(False) after set_requires_all_reduce(False) "
-                "micro-batches: finish that accumulation with a synced micro-batch first")
-        _ensure_leaves(model, sync, partial=False)
-    else:
-        sync.release(partial=False)
+    sync = _switch_accumulation(model, accumulate=not requires_gradient_sync, partial=False)
     sync.requires_gradient_sync = bool(requires_gradient_sync)
 
 
@@ -229,15 +237,7 @@ def set_requires_all_reduce(model: nn.Module, requires_all_reduce: bool) -> None
     (the sharded partial sums accumulate locally) and skips only the all-reduce across replica
     groups, which the next forward+backward with True does once for the sum. Without replica
     groups this changes nothing."""
-    sync = _grad_sync(model)
-    if not requires_all_reduce:
-        if sync.accumulating(partial=False):
-            raise RuntimeError(
-                "set_requires_all_reduce(False) after set_requires_gradient_sync(False) "
-                "micro-batches: finish that accumulation with a synced micro-batch first")
-        _ensure_leaves(model, sync, partial=True)
-    else:
-        sync.release(partial=True)
+    sync = _switch_accumulation(model, accumulate=not requires_all_reduce, partial=True)
     sync.requires_all_reduce = bool(requires_all_reduce)
 
 

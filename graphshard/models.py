@@ -6,7 +6,6 @@ Used by `graphshard train`, `graphshard dump` and the benchmarks. Each builder r
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, fields
 from typing import Callable
 

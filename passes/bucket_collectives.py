@@ -36,7 +36,7 @@ from passes.graph_utils import (
     hoist_before,
     is_collective,
     node_order,
-    stable_sort_and_check,
+    finalize_graph,
     stable_topological_sort,
     unit_of,
     unsharded_bytes,
@@ -118,7 +118,7 @@ def _bucket_meta(bucket: Bucket) -> dict:
 
 def _rewrite_all_gather(gm: fx.GraphModule, bucket: Bucket, fake_mode) -> None:
     members = bucket.members
-    first = min(members, key=node_order(gm.graph).__getitem__)
+    first = min(members)  # fx.Node compares by graph position
     for member in members:
         hoist_before(first, member.args[0])
     _, group_size = collective_group(first)
@@ -159,8 +159,7 @@ def _replace_members(gm: fx.GraphModule, members: list[fx.Node], outputs: list[f
 
 def _rewrite_reduce(gm: fx.GraphModule, bucket: Bucket, fake_mode) -> None:
     members = bucket.members
-    order = node_order(gm.graph)
-    last_input = max((m.args[0] for m in members), key=order.__getitem__)
+    last_input = max(m.args[0] for m in members)
     first = members[0]
     group_name, group_size = collective_group(first)
     emit = GraphEmitter(gm.graph, fake_mode, _bucket_meta(bucket))
@@ -199,4 +198,4 @@ def bucket_collectives(gm: fx.GraphModule, ctx=None) -> fx.GraphModule:
         else:
             _rewrite_reduce(gm, bucket, fake_mode)
     stable_topological_sort(gm.graph)
-    return stable_sort_and_check(gm)
+    return finalize_graph(gm)

@@ -6,9 +6,8 @@ collective, which wait belongs to it, how many bytes is it) are answered here, o
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
-from typing import Any, Callable, Iterable
+from typing import Any, Callable
 
 import torch
 import torch.fx as fx
@@ -154,7 +153,7 @@ class GraphEmitter:
         return x.meta["val"]
 
 
-def stable_sort_and_check(gm: fx.GraphModule) -> fx.GraphModule:
+def finalize_graph(gm: fx.GraphModule) -> fx.GraphModule:
     """After surgery: drop dead pure nodes, lint, recompile."""
     gm.graph.eliminate_dead_code()
     gm.graph.lint()
@@ -162,25 +161,8 @@ def stable_sort_and_check(gm: fx.GraphModule) -> fx.GraphModule:
     return gm
 
 
-def users_in_order(node: fx.Node, order: dict[fx.Node, int]) -> list[fx.Node]:
-    return sorted(node.users, key=order.__getitem__)
-
-
 def node_order(graph: fx.Graph) -> dict[fx.Node, int]:
     return {node: index for index, node in enumerate(graph.nodes)}
-
-
-def module_path(node: fx.Node) -> str:
-    """Innermost nn.Module path of a node from nn_module_stack ('' when unknown)."""
-    stack = node.meta.get("nn_module_stack") or {}
-    if not stack:
-        return ""
-    path = list(stack.values())[-1][0]
-    return path if isinstance(path, str) else ""
-
-
-def prod(values: Iterable[int]) -> int:
-    return math.prod(values)
 
 
 # --------------------------------------------------------------------------- reordering helpers
@@ -211,19 +193,17 @@ def stable_topological_sort(graph: fx.Graph) -> None:
 def hoist_before(anchor: fx.Node, node: fx.Node) -> None:
     """Move `node`, and those of its ancestors placed after `anchor`, to just before `anchor`
     (keeping their relative order), so `node` can be computed at that point."""
-    order = node_order(anchor.graph)
-    limit = order[anchor]
     to_move: set[fx.Node] = set()
     stack = [node]
     while stack:
         current = stack.pop()
-        if current in to_move or order[current] < limit:
+        if current in to_move or current < anchor:  # fx.Node compares by graph position
             continue
         if current.op == "placeholder":
             raise ValueError(f"cannot hoist {node.name}: placeholder {current.name} is after the anchor")
         to_move.add(current)
         stack.extend(current.all_input_nodes)
-    for moved in sorted(to_move, key=order.__getitem__):
+    for moved in sorted(to_move):
         anchor.prepend(moved)
 
 

@@ -25,7 +25,7 @@ from passes.graph_utils import (
     dim0_chunk,
     fake_mode_of,
     is_reduce_grad,
-    stable_sort_and_check,
+    finalize_graph,
     is_unshard,
 )
 
@@ -118,4 +118,4 @@ def insert_collectives(gm: fx.GraphModule, ctx=None) -> fx.GraphModule:
                                         reduce_dtype, out_dtype)
         node.replace_all_uses_with(out)
         gm.graph.erase_node(node)
-    return stable_sort_and_check(gm)
+    return finalize_graph(gm)

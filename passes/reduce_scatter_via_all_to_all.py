@@ -21,7 +21,7 @@ from passes.graph_utils import (
     aten,
     call_nodes,
     fake_mode_of,
-    stable_sort_and_check,
+    finalize_graph,
     wait_of,
 )
 
@@ -48,4 +48,4 @@ def reduce_scatter_via_all_to_all(gm: fx.GraphModule, ctx=None) -> fx.GraphModul
         wait.replace_all_uses_with(result)
         gm.graph.erase_node(wait)
         gm.graph.erase_node(scatter)
-    return stable_sort_and_check(gm)
+    return finalize_graph(gm)

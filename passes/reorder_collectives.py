@@ -27,8 +27,7 @@ from passes.graph_utils import (
     hoist_before,
     is_collective,
     is_wait,
-    node_order,
-    stable_sort_and_check,
+    finalize_graph,
     stable_topological_sort,
     unsharded_bytes,
     wait_of,
@@ -69,9 +68,8 @@ def _sink_block(nodes: list[fx.Node]) -> None:
     outside_users = [user for node in nodes for user in node.users if user not in block]
     if not outside_users:
         return
-    order = node_order(nodes[0].graph)
-    first_user = min(outside_users, key=order.__getitem__)
-    for node in sorted(nodes, key=order.__getitem__):
+    first_user = min(outside_users)  # fx.Node compares by graph position
+    for node in sorted(nodes):
         first_user.prepend(node)
 
 
@@ -109,16 +107,13 @@ def prefetch_all_gathers(gm: fx.GraphModule, policy: ReorderPolicy) -> None:
         for depth in range(min(policy.prefetch, index), 0, -1):
             anchor = wait_of(gathers[index - depth]).next  # just after the earlier bucket's wait
             candidates.append(anchor)
-        order = node_order(gm.graph)
-        candidates = [a for a in candidates if order[a] < order[gather]]
+        candidates = [a for a in candidates if a < gather]  # nodes compare by position
         if not candidates:
             continue
 
         def inflight_at(anchor: fx.Node) -> int:
             # most prefetched bytes simultaneously in flight if this gather is issued at anchor
-            lo, hi = order[anchor], order[gather]
-            return nbytes + sum(b for start, end, b in intervals
-                                if order[start] < hi and order[end] > lo)
+            return nbytes + sum(b for start, end, b in intervals if start < gather and end > anchor)
 
         allowed = [a for a in candidates if inflight_at(a) <= policy.max_inflight_bytes]
         if not allowed:
@@ -151,4 +146,4 @@ def reorder_collectives(gm: fx.GraphModule, policy: ReorderPolicy) -> fx.GraphMo
     sink_gather_waits(gm)
     prefetch_all_gathers(gm, policy)
     delay_reduction_waits(gm)
-    return stable_sort_and_check(gm)
+    return finalize_graph(gm)

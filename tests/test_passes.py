@@ -15,7 +15,7 @@ from graphshard.models import build_model
 from graphshard.options import GraphshardOptions
 from passes.bucket_collectives import bucket_collectives, plan_buckets
 from passes.graph_utils import (
-    ALL_GATHER, REDUCE_SCATTER, WAIT, GraphEmitter, aten, collective_params, is_collective,
+    ALL_GATHER, REDUCE_SCATTER, GraphEmitter, aten, collective_params, is_collective,
     is_wait, node_order, wait_of,
 )
 from passes.insert_collectives import lower_reduce_grad, lower_unshard
