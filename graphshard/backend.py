@@ -27,6 +27,7 @@ from graphshard.options import GraphshardOptions
 from passes.graph_utils import is_reduce_grad, is_unshard
 from passes.bucket_collectives import bucket_collectives
 from passes.insert_collectives import insert_collectives
+from passes.all_gather_via_all_to_all import all_gather_via_all_to_all
 from passes.merge_duplicate_unshards import merge_duplicate_unshards
 from passes.reduce_scatter_via_all_to_all import reduce_scatter_via_all_to_all
 from passes.reorder_collectives import ReorderPolicy, reorder_collectives
@@ -43,7 +44,8 @@ class PassContext:
     options: GraphshardOptions
     param_order: Mapping[str, int] = field(default_factory=dict)  # name -> registration index
     cluster: ClusterSpec = field(default_factory=ClusterSpec.default)  # cost-model parameters
-    reduce_scatter_via_all_to_all: bool = False  # resolved from options.reduce_scatter
+    # collective kinds to exchange by all-to-all: resolved from the options and the group's backend
+    via_all_to_all: frozenset[str] = frozenset()
 
 
 def _schedule(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
@@ -66,8 +68,10 @@ class Stage:
 
 def _transport(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
     """Adapt collectives to the process group's transport (after all analysis)."""
-    if ctx.reduce_scatter_via_all_to_all:
+    if "reduce_scatter" in ctx.via_all_to_all:
         gm = reduce_scatter_via_all_to_all(gm, ctx)
+    if "all_gather" in ctx.via_all_to_all:
+        gm = all_gather_via_all_to_all(gm, ctx)
     return gm
 
 
@@ -87,7 +91,7 @@ PIPELINE: tuple[Stage, ...] = (
     Stage("lowered", insert_collectives),
     Stage("bucketed", bucket_collectives, enabled=lambda options: options.bucket_mb > 0),
     Stage("scheduled", _schedule, enabled=lambda options: options.reorder),
-    Stage("transport", _transport, enabled=lambda options: options.reduce_scatter != "native"),
+    Stage("transport", _transport, enabled=lambda options: bool(options.via_all_to_all(on_gloo=True))),
 )
 STAGES: tuple[str, ...] = ("captured",) + tuple(stage.name for stage in PIPELINE)
 
@@ -147,7 +151,8 @@ class GraphshardCompiler:
         self.cluster = (ClusterSpec.from_json(options.cluster) if options.cluster
                         else ClusterSpec.default())
 
-    def _graph_compiler(self, graph_kind: str, param_order: Mapping[str, int], via_all_to_all: bool):
+    def _graph_compiler(self, graph_kind: str, param_order: Mapping[str, int],
+                        via_all_to_all: frozenset[str]):
         def compile_graph(gm: fx.GraphModule, example_inputs: Sequence[Any]):
             ctx = PassContext(graph_kind, self.options, param_order, self.cluster, via_all_to_all)
             gm = run_pipeline(gm, ctx, self.observer)
@@ -181,8 +186,7 @@ class GraphshardCompiler:
         param_order = dict(
             getattr(x, "_graphshard_order") for x in example_inputs if hasattr(x, "_graphshard_order")
         )
-        mode = self.options.reduce_scatter
-        via_all_to_all = mode == "all_to_all" or (mode == "auto" and _uses_gloo(gm))
+        via_all_to_all = self.options.via_all_to_all(on_gloo=_uses_gloo(gm))
         from torch._inductor.decomposition import select_decomp_table
         from torch._inductor.virtualized import V
         from torch._guards import detect_fake_mode

@@ -10,6 +10,10 @@ from dataclasses import asdict, dataclass, fields
 from typing import Any, Mapping
 
 
+# Collective kinds whose transport is an option: "native" op or an all-to-all rewrite.
+TRANSPORTED_KINDS = ("all_gather", "reduce_scatter")
+
+
 @dataclass(frozen=True)
 class GraphshardOptions:
     bucket_mb: float = 64.0  # cap on one bucket's unsharded size; 0 turns bucketing off
@@ -17,6 +21,7 @@ class GraphshardOptions:
     prefetch: int = 1  # how many units ahead an all-gather may be issued
     max_inflight_mb: float | None = None  # budget for prefetched unsharded bytes; None = no cap
     reduce_scatter: str = "auto"  # "native", "all_to_all" (+ local sum), "auto": a2a on gloo
+    all_gather: str = "auto"  # "native", "all_to_all" (of N shard copies), "auto": a2a on gloo
     compiler: str = "inductor"  # final compiler: "inductor", or "eager" (run the FX graph)
     cluster: str | None = None  # cost-model JSON from `graphshard calibrate`; None: built-in
 
@@ -36,8 +41,10 @@ class GraphshardOptions:
             f"max_inflight_mb must be a number >= 0 or None, got {self.max_inflight_mb!r}")
         check(self.cluster is None or (isinstance(self.cluster, str) and os.path.isfile(self.cluster)),
               f"cluster must be the path of a JSON file from `graphshard calibrate`, got {self.cluster!r}")
-        check(self.reduce_scatter in ("auto", "native", "all_to_all"),
-              f"reduce_scatter must be 'auto', 'native' or 'all_to_all', got {self.reduce_scatter!r}")
+        for kind in TRANSPORTED_KINDS:
+            mode = getattr(self, kind)
+            check(mode in ("auto", "native", "all_to_all"),
+                  f"{kind} must be 'auto', 'native' or 'all_to_all', got {mode!r}")
         check(self.compiler in ("inductor", "eager"),
               f"compiler must be 'inductor' or 'eager', got {self.compiler!r}")
 
@@ -54,6 +61,19 @@ class GraphshardOptions:
                 f"unknown graphshard option(s) {unknown}; valid options: {', '.join(valid)}"
             )
         return cls(**dict(options))
+
+    def via_all_to_all(self, on_gloo: bool) -> frozenset[str]:
+        """The collective kinds to rewrite as all-to-all. "auto" means: where the group is gloo's
+        (its reduce-scatter is an all-reduce, its all-gather copies its output), except the
+        all-gather under a memory budget: its send buffer is as large as the gathered bucket,
+        bytes the budget does not count."""
+        def chosen(kind: str) -> bool:
+            mode = getattr(self, kind)
+            if kind == "all_gather" and self.max_inflight_mb is not None and mode == "auto":
+                return False
+            return mode == "all_to_all" or (mode == "auto" and on_gloo)
+
+        return frozenset(kind for kind in TRANSPORTED_KINDS if chosen(kind))
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)

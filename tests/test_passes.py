@@ -249,6 +249,48 @@ def test_reduce_scatter_via_all_to_all_keeps_shapes_and_placement():
     assert order[before] < order[exchange] < order[wait_of(exchange)] < order[after]
 
 
+def test_all_gather_via_all_to_all_sends_the_shard_to_every_rank_in_place_of_the_gather():
+    from passes.all_gather_via_all_to_all import all_gather_via_all_to_all
+    from passes.graph_utils import ALL_TO_ALL
+
+    params = [("layers.0.a", (11, 3), torch.float32), ("layers.0.b", (5,), torch.float32)]
+    gm = bucket_collectives(gather_graph(4, params), ctx(bucket_mb=64))
+    shapes = [tuple(v.meta["val"].shape) for v in gm.graph.output_node().args[0]]
+    (gather,) = call_nodes(gm, ALL_GATHER)
+    shard, wait = gather.args[0], wait_of(gather)
+    gathered_shape = tuple(gather.meta["val"].shape)
+    before, consumers = gather.prev, list(wait.users)
+    gm = all_gather_via_all_to_all(gm)
+    assert call_nodes(gm, ALL_GATHER) == []
+    (exchange,) = call_nodes(gm, ALL_TO_ALL)
+    rows = shard.meta["val"].shape[0]
+    # every rank sends its whole shard to every rank: N copies out, rank r's shard lands at r
+    copies = exchange.args[0]
+    assert copies.target is torch.ops.aten.repeat.default and copies.args[0] is shard
+    assert copies.meta["val"].shape[0] == 4 * rows
+    assert exchange.args[1] == exchange.args[2] == [rows] * 4
+    assert tuple(exchange.meta["val"].shape) == gathered_shape
+    assert exchange.meta["graphshard_lowered_from"] == "all_gather"
+    assert [tuple(v.meta["val"].shape) for v in gm.graph.output_node().args[0]] == shapes
+    order = node_order(gm.graph)
+    # issued where the all-gather was; its wait and the copy-outs are untouched
+    assert order[before] < order[copies] < order[exchange] < order[wait_of(exchange)]
+    assert wait_of(exchange) is wait and list(wait.users) == consumers
+
+
+@pytest.mark.parametrize("on_gloo", [True, False])
+def test_transport_options_choose_all_to_all_only_where_asked_or_on_gloo(on_gloo):
+    auto = GraphshardOptions().via_all_to_all(on_gloo)
+    assert auto == ({"all_gather", "reduce_scatter"} if on_gloo else set())
+    forced = GraphshardOptions(all_gather="all_to_all", reduce_scatter="native").via_all_to_all(on_gloo)
+    assert forced == {"all_gather"}
+    # under a memory budget "auto" keeps the native all-gather (no send buffer of N shard copies)
+    budgeted = GraphshardOptions(max_inflight_mb=8).via_all_to_all(on_gloo)
+    assert budgeted == ({"reduce_scatter"} if on_gloo else set())
+    with pytest.raises(ValueError, match="all_gather must be 'auto', 'native' or 'all_to_all'"):
+        GraphshardOptions(all_gather="ring")
+
+
 def test_a_run_closes_when_another_unit_of_the_same_kind_intervenes_even_in_another_dtype():
     # embedding (fp32), blocks (bf16), head (fp32): the head must not join the embedding's bucket
     names = [("emb.weight", torch.float32), ("layers.0.w", torch.bfloat16),
