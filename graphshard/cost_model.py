@@ -34,7 +34,7 @@ import torch.fx as fx
 from torch.fx.experimental.symbolic_shapes import optimization_hint
 from torch.utils.flop_counter import flop_registry
 
-from passes.graph_utils import COLLECTIVES, collective_group, is_collective, is_wait
+from passes.graph_utils import COLLECTIVES, collective_group, collective_kind, is_collective, is_wait
 
 aten = torch.ops.aten
 Num = Union[int, float]
@@ -301,7 +301,7 @@ def collective_node_cost(node: fx.Node, spec: ClusterSpec, world_size: GroupSize
     if not is_collective(node):
         raise ValueError(f"{node.name} ({node.target}) is not a functional collective; "
                          f"known: {sorted(str(t) for t in COLLECTIVES)}")
-    kind = COLLECTIVES[node.target]
+    kind = collective_kind(node)
     # all-gather's output is the full buffer; reduce-scatter's and all-reduce's input is.
     full = node if kind == "all_gather" else node.args[0]
     nbytes = value_bytes(_node_val(full), symbolic)
@@ -491,6 +491,12 @@ def memory_estimate(gm: fx.GraphModule | fx.Graph) -> MemoryEstimate:
         for user_input in node.all_input_nodes:
             for b in owned.get(user_input, ()):
                 last_use[b] = max(last_use[b], index[node])
+        if is_collective(node):
+            # A collective reads its input until it completes: the buffer is held to the wait.
+            done = max((index[u] for u in node.users if is_wait(u)), default=index[node])
+            for user_input in node.all_input_nodes:
+                for b in owned.get(user_input, ()):
+                    last_use[b] = max(last_use[b], done)
 
     frees: dict[int, list[int]] = {}
     for b, i in last_use.items():

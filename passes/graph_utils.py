@@ -44,12 +44,19 @@ def call_nodes(gm: fx.GraphModule, target) -> list[fx.Node]:
     return [n for n in gm.graph.nodes if n.op == "call_function" and n.target is target]
 
 
+def _transported(node: fx.Node) -> bool:
+    """An all-to-all the transport stage made of one of our collectives (it keeps the kind)."""
+    return node.target is ALL_TO_ALL and node.meta.get("graphshard_lowered_from") in COLLECTIVES.values()
+
+
 def is_collective(node: fx.Node) -> bool:
-    return node.op == "call_function" and node.target in COLLECTIVES
+    return node.op == "call_function" and (node.target in COLLECTIVES or _transported(node))
 
 
 def collective_kind(node: fx.Node) -> str:
-    return COLLECTIVES[node.target]
+    """all_gather / reduce_scatter / all_reduce: what the collective does for us, whichever
+    op carries it."""
+    return node.meta["graphshard_lowered_from"] if _transported(node) else COLLECTIVES[node.target]
 
 
 def is_wait(node: fx.Node) -> bool:
@@ -72,6 +79,8 @@ def collective_group(node: fx.Node) -> tuple[str, int]:
         return node.args[3], node.args[2]
     if node.target is ALL_REDUCE:
         return node.args[2], node.meta.get("graphshard_group_size", 0)
+    if _transported(node):
+        return node.args[3], len(node.args[1])
     raise ValueError(f"{node.name} is not a collective")
 
 
@@ -91,8 +100,8 @@ def node_bytes(node: fx.Node) -> int:
 
 def unsharded_bytes(collective: fx.Node) -> int:
     """Size of the full (unsharded) buffer a collective moves: AG output, RS/AR input."""
-    if collective.target is ALL_GATHER:
-        return node_bytes(collective)
+    if collective.target is ALL_GATHER or _transported(collective):
+        return node_bytes(collective)  # an exchange's output is as large as its input
     return node_bytes(collective.args[0])
 
 

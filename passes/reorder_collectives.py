@@ -10,7 +10,9 @@ One mechanism, three policies (all inputs of the pass):
   (issued, not yet needed) unsharded bytes in flight. Budget 0 means no prefetch;
 - reduce-scatters / all-reduces are issued as soon as their gradients exist and waited on just
   before the next one is issued (at most one in flight), so the wait never blocks the next
-  unit's compute.
+  unit's compute. A delayed reduction holds its unsharded input until its wait, so under a
+  budget it is delayed only if it fits beside the prefetched gathers in flight meanwhile;
+  otherwise it is waited on where it was issued.
 Nodes only move within what their data dependencies allow; the graph stays topologically valid.
 """
 
@@ -94,10 +96,14 @@ def _compute_between(gm: fx.GraphModule, start: fx.Node, end: fx.Node, seconds: 
     return total
 
 
-def prefetch_all_gathers(gm: fx.GraphModule, policy: ReorderPolicy) -> None:
+# A prefetched gather's extra time in flight: (issue node, original issue node, bytes).
+Interval = tuple[fx.Node, fx.Node, int]
+
+
+def prefetch_all_gathers(gm: fx.GraphModule, policy: ReorderPolicy) -> list[Interval]:
+    """Hoist gathers by policy; returns the intervals each one is now in flight for longer."""
     gathers = [n for n in gm.graph.nodes if is_collective(n) and collective_kind(n) == "all_gather"]
-    # prefetched intervals so far, as (issue node, original issue node, bytes)
-    intervals: list[tuple[fx.Node, fx.Node, int]] = []
+    intervals: list[Interval] = []
     for index, gather in enumerate(gathers):
         if policy.prefetch == 0 or policy.max_inflight_bytes <= 0:
             break
@@ -128,15 +134,22 @@ def prefetch_all_gathers(gm: fx.GraphModule, policy: ReorderPolicy) -> None:
         original_position = gather.next
         hoist_before(chosen, gather)
         intervals.append((gather, original_position, nbytes))
+    return intervals
 
 
-def delay_reduction_waits(gm: fx.GraphModule) -> None:
+def delay_reduction_waits(gm: fx.GraphModule, max_inflight_bytes: float = math.inf,
+                          prefetched: list[Interval] = ()) -> None:
     reductions = [n for n in gm.graph.nodes if is_collective(n) and collective_kind(n) != "all_gather"]
     output = next(n for n in reversed(gm.graph.nodes) if n.op == "output")
     for index, collective in enumerate(reductions):
         wait = wait_of(collective)
         # wait just before the next reduction is issued (or at the end): never block compute
         anchor = reductions[index + 1] if index + 1 < len(reductions) else output
+        # held meanwhile: this reduction's input and every prefetched gather overlapping the delay
+        held = unsharded_bytes(collective) + sum(
+            nbytes for start, end, nbytes in prefetched if start < anchor and end > collective)
+        if held > max_inflight_bytes:
+            continue
         if wait.next is not anchor:
             anchor.prepend(wait)
     stable_topological_sort(gm.graph)  # users of moved waits follow them down
@@ -144,6 +157,6 @@ def delay_reduction_waits(gm: fx.GraphModule) -> None:
 
 def reorder_collectives(gm: fx.GraphModule, policy: ReorderPolicy) -> fx.GraphModule:
     sink_gather_waits(gm)
-    prefetch_all_gathers(gm, policy)
-    delay_reduction_waits(gm)
+    prefetched = prefetch_all_gathers(gm, policy)
+    delay_reduction_waits(gm, policy.max_inflight_bytes, prefetched)
     return finalize_graph(gm)

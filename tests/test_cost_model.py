@@ -272,6 +272,20 @@ def test_peak_memory_views_and_waits_alias(fake_pg):
     assert mem.peak_node == "add"
 
 
+def test_a_collective_holds_its_input_until_its_wait(fake_pg):
+    def f(x):
+        send = x * 2  # 4096, read by the exchange until it completes
+        exchanged = c10d.all_to_all_single(send, [128] * 8, [128] * 8, fake_pg)  # +4096
+        y = x + 1  # +4096 while send and the exchange are in flight -> 12288 (peak)
+        return c10d.wait_tensor(exchanged), y  # send freed here, not at the exchange
+
+    gm = make_fx(f, tracing_mode="fake")(torch.randn(1024))
+    (exchange,) = _nodes(gm, c10d.all_to_all_single.default)
+    exchange.meta["graphshard_lowered_from"] = "all_gather"  # as the transport stage marks it
+    mem = cm.memory_estimate(gm)
+    assert mem.peak_transient_bytes == 3 * 4096 and mem.peak_node == "add"
+
+
 # --------------------------------------------------------------------------- theory
 
 

@@ -237,3 +237,24 @@ def test_llama3_8b_shapes_dump_at_world_size_64_without_allocating_weights(tmp_p
     gathered = _bytes(report, "forward", "all_gather")
     assert gathered == report["params"]["bytes"]
     assert all(c["group_size"] == 64 for c in report["collectives"])
+
+
+def test_collectives_carried_by_all_to_all_are_reported_as_what_they_do(capsys, tmp_path):
+    # The transport stage may exchange gathers and reductions by all-to-all; the report still
+    # counts them as all-gathers and reduce-scatters, with the same bytes.
+    reports = {}
+    for transport in ("native", "all_to_all"):
+        out_json = tmp_path / f"{transport}.json"
+        code, _, err = _main(capsys, *SMALL_TRANSFORMER, "--world-size", "4", "--stage", "none",
+                             "-o", f"all_gather={transport}", "-o", f"reduce_scatter={transport}",
+                             "--json", str(out_json))
+        assert code == 0, err
+        reports[transport] = json.loads(out_json.read_text())
+    native, exchanged = reports["native"], reports["all_to_all"]
+    assert "all_to_all_single" in exchanged["graphs"]["forward"]
+    assert "all_gather_into_tensor" not in exchanged["graphs"]["forward"]
+    assert "reduce_scatter_tensor" not in exchanged["graphs"]["backward"]
+    summary = [(c["graph"], c["op"], c["params"], c["bytes"], c["group_size"]) for c in native["collectives"]]
+    assert [(c["graph"], c["op"], c["params"], c["bytes"], c["group_size"])
+            for c in exchanged["collectives"]] == summary
+    _check_schema(exchanged)

@@ -148,6 +148,27 @@ def test_prefetch_issues_next_gather_before_current_compute_and_budget_zero_disa
     assert _inflight_peak(gm3) == 2 * unit_bytes
 
 
+def test_reduction_waits_are_delayed_only_within_the_budget():
+    params = [(f"layers.{i}.w", (64, 64), torch.float32) for i in range(4)]
+    unit_bytes = 64 * 64 * 4
+
+    def scheduled(budget):
+        return reorder_collectives(
+            bucket_collectives(gather_graph(8, params, backward=True), ctx(bucket_mb=64)),
+            ReorderPolicy(prefetch=0, max_inflight_bytes=budget))
+
+    for budget, delayed in ((math.inf, True), (unit_bytes, True), (unit_bytes - 1, False)):
+        gm = scheduled(budget)
+        scatters = call_nodes(gm, REDUCE_SCATTER)
+        assert len(scatters) == 4
+        for current, following in zip(scatters, scatters[1:]):
+            # delayed: compute runs while the reduction is in flight, and it is waited on
+            # before the next one is issued; over budget: waited on where it was issued
+            in_flight = _compute_nodes_between(gm, current, wait_of(current))
+            assert bool(in_flight) is delayed
+            assert wait_of(current) < following
+
+
 def _inflight_peak(gm) -> int:
     """Most gathered bytes in flight (issued, not yet waited on) while compute runs: the
     prefetched bytes the budget bounds."""
