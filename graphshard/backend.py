@@ -188,6 +188,9 @@ class GraphshardCompiler:
         )
         via_all_to_all = self.options.via_all_to_all(on_gloo=_uses_gloo(gm))
         from torch._inductor.decomposition import select_decomp_table
+        # Some of Inductor's decompositions consult its lowerings (max_pool2d_with_indices does);
+        # with compiler="eager" nothing else imports them.
+        import torch._inductor.lowering  # noqa: F401
         from torch._inductor.virtualized import V
         from torch._guards import detect_fake_mode
 

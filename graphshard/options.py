@@ -19,7 +19,7 @@ class GraphshardOptions:
     bucket_mb: float = 64.0  # cap on one bucket's unsharded size; 0 turns bucketing off
     reorder: bool = True  # prefetch all-gathers and delay reduce-scatter waits
     prefetch: int = 1  # how many units ahead an all-gather may be issued
-    max_inflight_mb: float | None = None  # budget for prefetched unsharded bytes; None = no cap
+    max_inflight_mb: float | None = None  # budget for unsharded bytes held early or late; None = no cap
     reduce_scatter: str = "auto"  # "native", "all_to_all" (+ local sum), "auto": a2a on gloo
     all_gather: str = "auto"  # "native", "all_to_all" (of N shard copies), "auto": a2a on gloo
     compiler: str = "inductor"  # final compiler: "inductor", or "eager" (run the FX graph)

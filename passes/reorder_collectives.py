@@ -41,7 +41,8 @@ NodeSeconds = Callable[[fx.Node], float]
 @dataclass(frozen=True)
 class ReorderPolicy:
     prefetch: int = 1  # max units ahead an all-gather may be issued
-    max_inflight_bytes: float = math.inf  # prefetched unsharded bytes in flight at once
+    # unsharded bytes held in flight beyond need: prefetched gathers, delayed reductions' inputs
+    max_inflight_bytes: float = math.inf
     compute_seconds: NodeSeconds | None = None  # cost model; None: always prefetch fully
     collective_seconds: NodeSeconds | None = None
 

@@ -258,3 +258,13 @@ def test_collectives_carried_by_all_to_all_are_reported_as_what_they_do(capsys, 
     assert [(c["graph"], c["op"], c["params"], c["bytes"], c["group_size"])
             for c in exchanged["collectives"]] == summary
     _check_schema(exchanged)
+
+
+def test_a_cnn_dumps_in_a_fresh_interpreter():
+    # Fresh process: nothing has imported Inductor's lowerings, which its max-pool
+    # decomposition consults (the backend must import them even when Inductor does not run).
+    proc = subprocess.run(
+        [sys.executable, "-m", "graphshard", "dump", f"{TINY}:make_cnn", "--world-size", "4",
+         "--stage", "none"], capture_output=True, text=True, timeout=300, cwd=ROOT)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert "all_gather" in proc.stdout and "reduce_scatter" in proc.stdout

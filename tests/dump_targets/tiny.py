@@ -51,3 +51,11 @@ def frozen_model():
     model = Tiny()
     model.requires_grad_(False)
     return model, (torch.randn(2, 8),)
+
+
+def make_cnn(batch: int = 2):
+    """Conv + BatchNorm (buffers) + max-pool (Inductor's decomposition of it consults its
+    lowerings) + linear head."""
+    model = nn.Sequential(nn.Conv2d(3, 5, 3), nn.BatchNorm2d(5), nn.ReLU(), nn.MaxPool2d(2),
+                          nn.Flatten(), nn.Linear(5 * 3 * 3, 4))
+    return model, (torch.randn(batch, 3, 8, 8),)
