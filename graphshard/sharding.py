@@ -79,6 +79,28 @@ def _param_property(name: str) -> property:
     return property(get, doc=f"full (unsharded) parameter {name!r}")
 
 
+def _eager_when_not_inlined(fn: Callable) -> Callable:
+    """Inside a compiled frame Dynamo inlines our parameter accessors: the markers land in the
+    caller's graph. Reached from eager code instead (a module Dynamo does not trace, such as an
+    RNN, or code after a user's graph break), an accessor would be compiled as a frame of its
+    own, recompiled per parameter shape and then traced with dynamic shard sizes. Skip it, and
+    what it calls, as a top-level frame: it runs the eager markers, the reference path."""
+    from torch._dynamo.eval_frame import set_code_exec_strategy
+    from torch._dynamo.types import FrameAction, FrameExecStrategy
+
+    set_code_exec_strategy(fn.__code__, FrameExecStrategy(FrameAction.SKIP, FrameAction.SKIP))
+    return fn
+
+
+_eager_when_not_inlined(_param_property("_").fget)  # all getters share this code object
+
+
+@_eager_when_not_inlined
+def _rnn_flat_weights(module: nn.RNNBase) -> list[torch.Tensor | None]:
+    return [getattr(module, n) if n in module._parameters else None
+            for n in module._flat_weights_names]
+
+
 @functools.lru_cache(maxsize=None)
 def _sharded_class(cls: type, param_names: tuple[str, ...]) -> type:
     # Cached so all instances of one module type share one class: torch.compile then reuses
@@ -88,10 +110,7 @@ def _sharded_class(cls: type, param_names: tuple[str, ...]) -> type:
     if issubclass(cls, nn.RNNBase):
         # RNNs cache their parameter objects in `_flat_weights` at construction; read them
         # through the properties instead, or the cached, unsharded originals would be used.
-        properties["_flat_weights"] = property(
-            lambda self: [getattr(self, n) if n in self._parameters else None
-                          for n in self._flat_weights_names],
-            lambda self, value: None)
+        properties["_flat_weights"] = property(_rnn_flat_weights, lambda self, value: None)
     return type(f"Sharded{cls.__name__}", (cls,), properties)
 
 

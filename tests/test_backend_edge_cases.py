@@ -114,3 +114,16 @@ def test_rnn_modules_use_the_sharded_parameters(gloo1):
     assert torch.allclose(out, expected, atol=1e-6)
     out.sum().backward()
     assert all(p.grad is not None for p in model.parameters())
+
+
+def test_an_rnn_inside_a_compiled_model_trains_like_the_reference_across_batch_sizes():
+    # Dynamo runs the GRU eagerly; its parameter reads must run the eager markers (not be
+    # compiled as frames of their own, which recompiled with dynamic shard sizes and failed).
+    from graphshard.launch import run_local
+    from tests.workers import reference_rnn, train_rnn_compiled
+
+    expected = reference_rnn()
+    for params in run_local(train_rnn_compiled, 2):
+        assert params.keys() == expected.keys()
+        for name, value in params.items():
+            assert torch.allclose(value, expected[name], atol=1e-5), name

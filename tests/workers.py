@@ -59,3 +59,49 @@ def train_zoo(rank: int, world: int, configs, steps: int, batch: int = 12):
         results.append((losses, norms, full, grads_sharded))
         torch._dynamo.reset()
     return results
+
+
+class _GRUHead(torch.nn.Module):
+    """A GRU (which Dynamo does not trace: it runs eagerly inside the compiled model) and a
+    linear head (compiled); 21-row GRU weights shard unevenly at world size 2."""
+
+    def __init__(self):
+        super().__init__()
+        self.rnn = torch.nn.GRU(5, 7, batch_first=True)
+        self.head = torch.nn.Linear(7, 3)
+
+    def forward(self, x):
+        out, _ = self.rnn(x)
+        return self.head(out[:, -1])
+
+
+RNN_BATCHES = (6, 6, 10)  # global batch per step: the size changes, so the frame recompiles
+
+
+def rnn_batches():
+    gen = torch.Generator().manual_seed(3)
+    return [torch.randn(b, 4, 5, generator=gen) for b in RNN_BATCHES]
+
+
+def reference_rnn():
+    torch.manual_seed(0)
+    model = _GRUHead()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    for x in rnn_batches():
+        model(x).square().mean().backward()
+        opt.step()
+        opt.zero_grad()
+    return {n: p.detach() for n, p in model.named_parameters()}
+
+
+def train_rnn_compiled(rank: int, world: int):
+    torch.manual_seed(0)
+    model = graphshard.shard(_GRUHead())
+    compiled = torch.compile(model, backend="graphshard", options={"compiler": "eager"})
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    for x in rnn_batches():
+        per = x.shape[0] // world
+        compiled(x[rank * per:(rank + 1) * per]).square().mean().backward()
+        opt.step()
+        opt.zero_grad()
+    return {n: p.full_tensor() for n, p in model.named_parameters()}
