@@ -13,14 +13,16 @@ How it is built, without mutating anything inside a backward graph (AOTAutograd 
   read is `_UnshardNoSync(local, leaf)`: the forward is the ordinary `graphshard::unshard` marker,
   the backward hands the full gradient to the leaf, so autograd's own accumulation sums the
   micro-batches into `leaf.grad`, and the sharded parameter gets no gradient at all.
-- Turning sync back on moves each `leaf.grad` to `pending`. In the next synced forward the
-  first read of a parameter pops its pending gradient and goes through `_UnshardWithPending`,
-  which takes it as an extra input and adds it (in the reduce dtype) before the ordinary
-  `graphshard::reduce_grad` marker: one reduction per step. Popping at the read, not clearing
-  after the backward, means a parameter read twice (tied, or a module called twice) adds it
-  once, and no hook has to run after the backward.
-- Under torch.compile the property reads the mode and the pending dict; Dynamo guards on
-  both (and replays the pop after the graph), so each mode compiles to its own graph once.
+- Turning sync back on reduces each `leaf.grad` at once (the same eager marker as the
+  ordinary backward: reduce-scatter, + all-reduce across replicas) into the parameter's sharded
+  `.grad`; the synced micro-batch's backward then accumulates its own reduced gradient on top
+  (a sum of reductions is the reduction of the sum). This costs one reduction more per
+  accumulation window than folding the sum into the last backward, but it does not depend on
+  which reads of a parameter reach the loss: nn.MultiheadAttention reads `in_proj_weight` for
+  its fast-path checks before the read it computes with, and an earlier design that added the
+  sum at the first read lost it there.
+- Under torch.compile the property reads the mode; Dynamo guards on it, so each mode compiles
+  to its own graph once.
 """
 
 from __future__ import annotations
@@ -50,9 +52,6 @@ class GradSync:
     requires_all_reduce: bool = True
     full_leaves: dict[str, torch.Tensor] = field(default_factory=dict)  # fqn -> full-shape leaf
     partial_leaves: dict[str, torch.Tensor] = field(default_factory=dict)  # fqn -> shard leaf
-    # Accumulated gradients waiting for the next synced forward, which takes them (pop).
-    full_pending: dict[str, torch.Tensor] = field(default_factory=dict)
-    partial_pending: dict[str, torch.Tensor] = field(default_factory=dict)
 
     @property
     def mode(self) -> SyncMode:
@@ -62,19 +61,9 @@ class GradSync:
             return SyncMode.NO_ALL_REDUCE
         return SyncMode.SYNC
 
-    def release(self, partial: bool) -> None:
-        """Move the leaves' accumulated gradients to `pending` for the next synced forward."""
-        leaves, pending = ((self.partial_leaves, self.partial_pending) if partial
-                           else (self.full_leaves, self.full_pending))
-        for name, leaf in leaves.items():
-            if leaf.grad is not None:
-                pending[name] = leaf.grad if name not in pending else pending[name] + leaf.grad
-                leaf.grad = None
-
     def accumulating(self, partial: bool) -> bool:
-        leaves, pending = ((self.partial_leaves, self.partial_pending) if partial
-                           else (self.full_leaves, self.full_pending))
-        return bool(pending) or any(leaf.grad is not None for leaf in leaves.values())
+        leaves = self.partial_leaves if partial else self.full_leaves
+        return any(leaf.grad is not None for leaf in leaves.values())
 
 
 def _accumulation_leaf(shape: torch.Size, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
@@ -131,34 +120,6 @@ class _UnshardNoAllReduce(torch.autograd.Function):
         return None, partial, None
 
 
-class _UnshardWithPending(torch.autograd.Function):
-    """Gather; backward: add the pending accumulated gradient(s), then reduce once."""
-
-    @staticmethod
-    def forward(ctx, local, full_pending, partial_pending, spec):
-        ctx.spec, ctx.local_dim0, ctx.out_dtype = spec, local.shape[0] if local.dim() else 0, local.dtype
-        ctx.save_for_backward(full_pending, partial_pending)
-        return _gather(local, spec)
-
-    @staticmethod
-    def backward(ctx, grad):
-        spec = ctx.spec
-        full_pending, partial_pending = ctx.saved_tensors
-        reduce_dtype = spec.reduce_dtype or ctx.out_dtype
-        grad = grad.to(reduce_dtype)
-        if full_pending is not None:
-            grad = grad + full_pending
-        if partial_pending is None:
-            out = _reduce(grad, ctx.local_dim0, spec, slice(None), spec.scatter, ctx.out_dtype)
-        else:
-            # Shard-group reduction of this micro-batch, plus the earlier micro-batches' already
-            # reduce-scattered sum, then one all-reduce across replica groups.
-            partial = _reduce(grad, ctx.local_dim0, spec, slice(0, 1), spec.scatter, reduce_dtype)
-            out = _reduce(partial + partial_pending, ctx.local_dim0, spec, slice(1, None), False,
-                          ctx.out_dtype)
-        return out, None, None, None
-
-
 def unshard_for_grad_sync(param: nn.Parameter, local: torch.Tensor, spec, sync: GradSync
                           ) -> torch.Tensor | None:
     """The parameter read for the current sync mode, or None for the ordinary unshard."""
@@ -167,13 +128,7 @@ def unshard_for_grad_sync(param: nn.Parameter, local: torch.Tensor, spec, sync: 
         return _UnshardNoSync.apply(local, sync.full_leaves[spec.name], spec)
     if mode is SyncMode.NO_ALL_REDUCE and len(spec.reduce_groups) > 1:
         return _UnshardNoAllReduce.apply(local, sync.partial_leaves[spec.name], spec)
-    # The first read of a parameter in a synced forward takes its pending gradient (a pop, so a
-    # parameter read twice, e.g. tied, adds it once); Dynamo replays the pop after the graph.
-    full_pending = sync.full_pending.pop(spec.name, None)
-    partial_pending = sync.partial_pending.pop(spec.name, None)
-    if full_pending is None and partial_pending is None:
-        return None
-    return _UnshardWithPending.apply(local, full_pending, partial_pending, spec)
+    return None
 
 
 # --------------------------------------------------------------------------- public API
@@ -208,12 +163,34 @@ def _ensure_leaves(model: nn.Module, sync: GradSync, partial: bool) -> None:
                                                    local.device)
 
 
+def _reduce_accumulated(model: nn.Module, sync: GradSync, partial: bool) -> None:
+    """End of an accumulation window: reduce each accumulated sum now (every rank reaches this
+    at the same point of the program) and add it to the parameter's sharded `.grad`."""
+    from torch.distributed.tensor import DTensor
+
+    leaves = sync.partial_leaves if partial else sync.full_leaves
+    for param, spec in _sharded_params(model):
+        leaf = leaves.get(spec.name)
+        if leaf is None or leaf.grad is None:
+            continue
+        local = param.to_local()
+        local_dim0 = local.shape[0] if local.dim() else 0
+        if partial:  # already reduce-scattered in the shard group: all-reduce across replicas
+            reduced = _reduce(leaf.grad, local_dim0, spec, slice(1, None), False, local.dtype)
+        else:
+            reduced = _reduce(leaf.grad, local_dim0, spec, slice(None), spec.scatter, local.dtype)
+        leaf.grad = None
+        grad = DTensor.from_local(reduced, param.device_mesh, param.placements,
+                                  shape=param.shape, stride=param.stride())
+        param.grad = grad if param.grad is None else param.grad + grad
+
+
 def _switch_accumulation(model: nn.Module, accumulate: bool, partial: bool) -> GradSync:
     """Start or end one kind of accumulation: full unsharded gradients (partial=False) or
     shard-sized partial sums that skip only the replica all-reduce (partial=True)."""
     sync = _grad_sync(model)
     if not accumulate:
-        sync.release(partial=partial)
+        _reduce_accumulated(model, sync, partial)
         return sync
     if sync.accumulating(partial=not partial):
         setters = ("set_requires_gradient_sync", "set_requires_all_reduce")
@@ -227,7 +204,8 @@ def _switch_accumulation(model: nn.Module, accumulate: bool, partial: bool) -> G
 def set_requires_gradient_sync(model: nn.Module, requires_gradient_sync: bool) -> None:
     """False: backward passes keep full (unsharded) gradients locally, summed over micro-batches,
     and reduce nothing (parameters' `.grad` stays untouched). The next forward+backward with
-    True adds the sum to its own gradient and reduces once."""
+    True reduces the sum into the parameters' `.grad` (this call), and the next backward adds its
+    own reduced gradient."""
     sync = _switch_accumulation(model, accumulate=not requires_gradient_sync, partial=False)
     sync.requires_gradient_sync = bool(requires_gradient_sync)
 
@@ -235,16 +213,17 @@ def set_requires_gradient_sync(model: nn.Module, requires_gradient_sync: bool) -
 def set_requires_all_reduce(model: nn.Module, requires_all_reduce: bool) -> None:
     """hybrid_shard: False keeps the reduce-scatter within each shard group every micro-batch
     (the sharded partial sums accumulate locally) and skips only the all-reduce across replica
-    groups, which the next forward+backward with True does once for the sum. Without replica
-    groups this changes nothing."""
+    groups; True all-reduces the accumulated sum into the parameters' `.grad` (this call).
+    Without replica groups this changes nothing."""
     sync = _switch_accumulation(model, accumulate=not requires_all_reduce, partial=True)
     sync.requires_all_reduce = bool(requires_all_reduce)
 
 
 @contextlib.contextmanager
 def no_sync(model: nn.Module, *, replica_only: bool = False):
-    """Within the block, backward passes accumulate gradients without reducing them; the first
-    forward+backward after the block reduces the accumulated sum with its own gradient, once.
+    """Within the block, backward passes accumulate gradients without reducing them; leaving
+    the block reduces the accumulated sum into the parameters' sharded `.grad` (a collective:
+    every rank leaves the block together), where later backward passes add to it.
     replica_only=True (hybrid_shard): still reduce-scatter within each shard group, skip only
     the all-reduce across replica groups."""
     sync = _grad_sync(model)

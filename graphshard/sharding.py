@@ -68,8 +68,7 @@ def _param_property(name: str) -> property:
     def get(module: nn.Module) -> torch.Tensor:
         param, spec = module._parameters[name], getattr(module, SPECS_ATTR)[name]
         if param.requires_grad and torch.is_grad_enabled():
-            # Gradient accumulation (no-sync micro-batches, or a pending accumulated gradient)
-            # takes another path; Dynamo guards on the mode, so each mode is its own graph.
+            # No-sync micro-batches (gradient accumulation) take another path; Dynamo guards on the mode, so each mode is its own graph.
             full = unshard_for_grad_sync(param, param.to_local(), spec,
                                          getattr(module, GRAD_SYNC_ATTR))
             if full is not None:

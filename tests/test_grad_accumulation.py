@@ -94,18 +94,21 @@ def _accumulate(rank, world, modes):
         micro = zoo_batch(BATCH)[rank * per:(rank + 1) * per].chunk(K)
         grads = []
         for _ in range(STEPS):
-            for i, batch in enumerate(micro):
-                last = i == K - 1
-                if api == "setter":
-                    graphshard.set_requires_gradient_sync(model, last)
-                    (zoo_loss(fn(batch), batch) / K).backward()
-                elif last:
-                    (zoo_loss(fn(batch), batch) / K).backward()
-                else:
-                    with graphshard.no_sync(model):
+            if api == "setter":
+                for i, batch in enumerate(micro):
+                    graphshard.set_requires_gradient_sync(model, i == K - 1)
+                    if i < K - 1:
                         (zoo_loss(fn(batch), batch) / K).backward()
-                if not last:  # nothing reduced, nothing written to the sharded .grad yet
-                    assert all(p.grad is None for p in model.parameters())
+                        # nothing reduced, nothing written to the sharded .grad yet
+                        assert all(p.grad is None for p in model.parameters())
+                    else:
+                        (zoo_loss(fn(batch), batch) / K).backward()
+            else:
+                with graphshard.no_sync(model):
+                    for batch in micro[:-1]:
+                        (zoo_loss(fn(batch), batch) / K).backward()
+                        assert all(p.grad is None for p in model.parameters())
+                (zoo_loss(fn(micro[-1]), micro[-1]) / K).backward()
             grads.append({n: p.grad.full_tensor() for n, p in model.named_parameters()
                           if p.grad is not None})
             opt.step()
@@ -126,3 +129,46 @@ def test_accumulation_matches_large_batch():
                     assert (grads[step][name] - g).abs().max().item() < 1e-5, (mode, step, name)
             for name, p in ref_params.items():
                 assert (params[name] - p).abs().max().item() < 1e-5, (mode, name)
+
+
+class _Attention(torch.nn.Module):
+    """nn.MultiheadAttention reads in_proj_weight for its fast-path checks, then again to
+    compute: a read that never reaches the loss must not swallow the accumulated gradient."""
+
+    def __init__(self):
+        super().__init__()
+        self.attn = torch.nn.MultiheadAttention(8, 2, batch_first=True)
+        self.head = torch.nn.Linear(8, 3)
+
+    def forward(self, x):
+        return self.head(self.attn(x, x, x)[0].mean(1))
+
+
+def _attention_batches():
+    gen = torch.Generator().manual_seed(1)
+    return [(torch.randn(4, 5, 8, generator=gen), torch.randn(4, 3, generator=gen)) for _ in range(2)]
+
+
+def _attention_grads(rank, world, compiled):
+    torch.manual_seed(0)
+    model = graphshard.shard(_Attention())
+    fn = torch.compile(model, backend="graphshard", options={"compiler": "eager"}) if compiled else model
+    per = 4 // world
+    (x0, y0), (x1, y1) = [(x[rank * per:(rank + 1) * per], y[rank * per:(rank + 1) * per])
+                          for x, y in _attention_batches()]
+    with graphshard.no_sync(model):
+        (torch.nn.functional.mse_loss(fn(x0), y0) / 2).backward()
+    (torch.nn.functional.mse_loss(fn(x1), y1) / 2).backward()
+    return {n: p.grad.full_tensor() for n, p in model.named_parameters()}
+
+
+def test_accumulation_is_exact_when_a_parameter_is_read_without_reaching_the_loss():
+    torch.manual_seed(0)
+    reference = _Attention()
+    for x, y in _attention_batches():
+        (torch.nn.functional.mse_loss(reference(x), y) / 2).backward()
+    expected = {n: p.grad for n, p in reference.named_parameters()}
+    for compiled in (False, True):
+        for grads in run_local(_attention_grads, 2, compiled):
+            for name, g in expected.items():
+                assert (grads[name] - g).abs().max().item() < 1e-5, (compiled, name)
