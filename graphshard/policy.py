@@ -37,12 +37,17 @@ class MixedPrecisionPolicy:
 
     param_dtype: torch.dtype | None = None
     reduce_dtype: torch.dtype | None = None
+    # As FSDP2: floating-point tensors passed to the sharded model's forward are cast to
+    # param_dtype, so float inputs meet parameters of the compute dtype.
+    cast_forward_inputs: bool = True
 
     def __post_init__(self):
         for field in ("param_dtype", "reduce_dtype"):
             value = getattr(self, field)
             if value is not None and not (isinstance(value, torch.dtype) and value.is_floating_point):
                 raise ValueError(f"{field} must be a floating torch.dtype or None, got {value!r}")
+        if not isinstance(self.cast_forward_inputs, bool):
+            raise ValueError(f"cast_forward_inputs must be a bool, got {self.cast_forward_inputs!r}")
 
 
 def resolve_mixed_precision(policy: MixedPrecisionPolicy | None, param_dtype, reduce_dtype

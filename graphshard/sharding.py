@@ -18,6 +18,7 @@ import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.tensor import DTensor, Replicate, Shard
+from torch.utils._pytree import tree_map
 
 from graphshard import ops  # noqa: F401  (registers torch.ops.graphshard.*)
 from graphshard.grad_sync import GradSync, unshard_for_grad_sync
@@ -227,7 +228,19 @@ def shard(
         object.__setattr__(module, GRAD_SYNC_ATTR, grad_sync)
         module.__class__ = _sharded_class(type(module), tuple(sorted(module_specs)))
     object.__setattr__(model, STATE_ATTR, ShardState(mesh, strategy, policy, grad_sync))
+    if policy.param_dtype is not None and policy.cast_forward_inputs:
+        model.register_forward_pre_hook(_input_caster(policy.param_dtype), with_kwargs=True)
     return model
+
+
+def _input_caster(dtype: torch.dtype) -> Callable:
+    def cast(module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+        def to_compute(x):
+            return x.to(dtype) if isinstance(x, torch.Tensor) and x.is_floating_point() else x
+
+        return tree_map(to_compute, (args, kwargs))
+
+    return cast
 
 
 def _shard_param(param: nn.Parameter, fqn: str, mesh: DeviceMesh, strategy: ShardingStrategy,

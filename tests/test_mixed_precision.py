@@ -127,3 +127,28 @@ def test_bf16_matches_bf16_reference():
     # The eager and compiled paths run the same lowering: they agree far more tightly.
     eager, compiled = per_rank[0]
     assert max(abs(a - b) for a, b in zip(eager[0], compiled[0])) < 1e-3
+
+
+def _mlp():
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(6, 10), torch.nn.GELU(), torch.nn.Linear(10, 3))
+
+
+def _float_input_outputs(rank, world, compiled):
+    model = graphshard.shard(_mlp(), param_dtype=torch.bfloat16)
+    fn = torch.compile(model, backend="graphshard", options={"compiler": "eager"}) if compiled else model
+    x = torch.randn(4, 6, generator=torch.Generator().manual_seed(2))  # fp32 input
+    out = fn(x)
+    out.float().square().mean().backward()
+    return out.detach(), all(p.grad is not None for p in model.parameters())
+
+
+def test_float_inputs_are_cast_to_param_dtype_like_fsdp2():
+    x = torch.randn(4, 6, generator=torch.Generator().manual_seed(2))
+    expected = _mlp().to(torch.bfloat16)(x.to(torch.bfloat16))
+    for compiled in (False, True):
+        for out, has_grads in run_local(_float_input_outputs, 2, compiled):
+            assert out.dtype == torch.bfloat16 and has_grads
+            assert torch.allclose(out.float(), expected.float(), atol=1e-2), compiled
+    with pytest.raises(ValueError, match="cast_forward_inputs must be a bool"):
+        graphshard.MixedPrecisionPolicy(torch.bfloat16, cast_forward_inputs="yes")
