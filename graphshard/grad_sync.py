@@ -4,7 +4,7 @@
     with graphshard.no_sync(model):          # micro-batches 1..K-1: gather, no reduce-scatter
         for batch in micro_batches[:-1]:
             (loss_fn(model(batch)) / K).backward()
-    (loss_fn(model(micro_batches[-1])) / K).backward()   # one reduction of the summed gradient
+    (loss_fn(model(micro_batches[-1])) / K).backward()   # adds to the reduced sum
     optimizer.step()
 
 How it is built, without mutating anything inside a backward graph (AOTAutograd cannot):
@@ -16,8 +16,9 @@ How it is built, without mutating anything inside a backward graph (AOTAutograd 
 - Turning sync back on reduces each `leaf.grad` at once (the same eager marker as the
   ordinary backward: reduce-scatter, + all-reduce across replicas) into the parameter's sharded
   `.grad`; the synced micro-batch's backward then accumulates its own reduced gradient on top
-  (a sum of reductions is the reduction of the sum). This costs one reduction more per
-  accumulation window than folding the sum into the last backward, but it does not depend on
+  (a sum of reductions is the reduction of the sum). This costs, per accumulation window, one
+  eager reduction per parameter (not bucketed, not overlapped) on top of the last backward's
+  own, where folding the sum into the last backward would cost none; but it does not depend on
   which reads of a parameter reach the loss: nn.MultiheadAttention reads `in_proj_weight` for
   its fast-path checks before the read it computes with, and an earlier design that added the
   sum at the first read lost it there.
@@ -228,8 +229,18 @@ def no_sync(model: nn.Module, *, replica_only: bool = False):
     the all-reduce across replica groups."""
     sync = _grad_sync(model)
     previous = sync.requires_all_reduce if replica_only else sync.requires_gradient_sync
-    (set_requires_all_reduce if replica_only else set_requires_gradient_sync)(model, False)
+    setter = set_requires_all_reduce if replica_only else set_requires_gradient_sync
+    setter(model, False)
     try:
         yield model
-    finally:
-        (set_requires_all_reduce if replica_only else set_requires_gradient_sync)(model, previous)
+    except BaseException:
+        # This rank is leaving abnormally, maybe alone: reducing now would start collectives
+        # the other ranks are not running. Drop the partial sums and restore the mode.
+        for leaf in (sync.partial_leaves if replica_only else sync.full_leaves).values():
+            leaf.grad = None
+        if replica_only:
+            sync.requires_all_reduce = previous
+        else:
+            sync.requires_gradient_sync = previous
+        raise
+    setter(model, previous)

@@ -101,6 +101,13 @@ def _compute_between(gm: fx.GraphModule, start: fx.Node, end: fx.Node, seconds: 
 Interval = tuple[fx.Node, fx.Node, int]
 
 
+def _most_in_flight(intervals: list[Interval], start: fx.Node, end: fx.Node) -> int:
+    """Most bytes of `intervals` held at one time within [start, end): the peak is at `start` or
+    where an interval begins (an interval is held from its issue to before its original node)."""
+    points = [start] + [s for s, _, _ in intervals if start < s < end]
+    return max(sum(b for s, e, b in intervals if not point < s and point < e) for point in points)
+
+
 def prefetch_all_gathers(gm: fx.GraphModule, policy: ReorderPolicy) -> list[Interval]:
     """Hoist gathers by policy; returns the intervals each one is now in flight for longer."""
     gathers = [n for n in gm.graph.nodes if is_collective(n) and collective_kind(n) == "all_gather"]
@@ -120,7 +127,7 @@ def prefetch_all_gathers(gm: fx.GraphModule, policy: ReorderPolicy) -> list[Inte
 
         def inflight_at(anchor: fx.Node) -> int:
             # most prefetched bytes simultaneously in flight if this gather is issued at anchor
-            return nbytes + sum(b for start, end, b in intervals if start < gather and end > anchor)
+            return nbytes + _most_in_flight(intervals, anchor, gather)
 
         allowed = [a for a in candidates if inflight_at(a) <= policy.max_inflight_bytes]
         if not allowed:
@@ -146,9 +153,8 @@ def delay_reduction_waits(gm: fx.GraphModule, max_inflight_bytes: float = math.i
         wait = wait_of(collective)
         # wait just before the next reduction is issued (or at the end): never block compute
         anchor = reductions[index + 1] if index + 1 < len(reductions) else output
-        # held meanwhile: this reduction's input and every prefetched gather overlapping the delay
-        held = unsharded_bytes(collective) + sum(
-            nbytes for start, end, nbytes in prefetched if start < anchor and end > collective)
+        # held meanwhile: this reduction's input and the prefetched gathers in flight beside it
+        held = unsharded_bytes(collective) + _most_in_flight(prefetched, collective, anchor)
         if held > max_inflight_bytes:
             continue
         if wait.next is not anchor:

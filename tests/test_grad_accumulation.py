@@ -172,3 +172,19 @@ def test_accumulation_is_exact_when_a_parameter_is_read_without_reaching_the_los
         for grads in run_local(_attention_grads, 2, compiled):
             for name, g in expected.items():
                 assert (grads[name] - g).abs().max().item() < 1e-5, (compiled, name)
+
+
+def test_a_no_sync_block_left_by_an_exception_drops_its_sums_without_communicating(fake_pg):
+    model = graphshard.shard(Zoo())
+    tokens = zoo_batch(2)
+    with pytest.raises(KeyError, match="boom"):
+        with graphshard.no_sync(model):
+            zoo_loss(model(tokens), tokens).backward()
+            raise KeyError("boom")
+    # a normal exit would have reduced the sum into .grad; nothing was reduced, nothing is left
+    assert all(p.grad is None for p in model.parameters())
+    sync = graphshard.sharding.shard_state(model).grad_sync
+    assert sync.requires_gradient_sync and not sync.accumulating(partial=False)
+    with graphshard.no_sync(model):  # and accumulation works again afterwards
+        zoo_loss(model(tokens), tokens).backward()
+    assert any(p.grad is not None for p in model.parameters())

@@ -155,9 +155,11 @@ def test_reduction_waits_are_delayed_only_within_the_budget():
     def scheduled(budget):
         return reorder_collectives(
             bucket_collectives(gather_graph(8, params, backward=True), ctx(bucket_mb=64)),
-            ReorderPolicy(prefetch=0, max_inflight_bytes=budget))
+            ReorderPolicy(prefetch=1, max_inflight_bytes=budget))
 
-    for budget, delayed in ((math.inf, True), (unit_bytes, True), (unit_bytes - 1, False)):
+    # Delayed, a reduction's input is held beside one prefetched gather at a time (each gather's
+    # prefetch ends at its wait, before the next is issued): two units, never more.
+    for budget, delayed in ((math.inf, True), (2 * unit_bytes, True), (2 * unit_bytes - 1, False)):
         gm = scheduled(budget)
         scatters = call_nodes(gm, REDUCE_SCATTER)
         assert len(scatters) == 4
