@@ -234,13 +234,11 @@ def no_sync(model: nn.Module, *, replica_only: bool = False):
     try:
         yield model
     except BaseException:
-        # This rank is leaving abnormally, maybe alone: reducing now would start collectives
-        # the other ranks are not running. Drop the partial sums and restore the mode.
+        # This rank is leaving abnormally, maybe alone: reducing would start collectives the
+        # other ranks are not running. Drop the partial sums; restoring the mode then reduces
+        # nothing.
         for leaf in (sync.partial_leaves if replica_only else sync.full_leaves).values():
             leaf.grad = None
-        if replica_only:
-            sync.requires_all_reduce = previous
-        else:
-            sync.requires_gradient_sync = previous
         raise
-    setter(model, previous)
+    finally:
+        setter(model, previous)

@@ -76,7 +76,7 @@ def _param_property(name: str) -> property:
                 return full
         return unshard_param(param, spec)
 
-    return property(get, doc=f"full (unsharded) parameter {name!r}")
+    return property(_eager_when_not_inlined(get), doc=f"full (unsharded) parameter {name!r}")
 
 
 def _eager_when_not_inlined(fn: Callable) -> Callable:
@@ -90,9 +90,6 @@ def _eager_when_not_inlined(fn: Callable) -> Callable:
 
     set_code_exec_strategy(fn.__code__, FrameExecStrategy(FrameAction.SKIP, FrameAction.SKIP))
     return fn
-
-
-_eager_when_not_inlined(_param_property("_").fget)  # all getters share this code object
 
 
 @_eager_when_not_inlined

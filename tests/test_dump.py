@@ -32,6 +32,14 @@ def _main(capsys, *argv):
     return code, out, err
 
 
+def _json_report(capsys, tmp_path, *argv) -> dict:
+    """Run the dump with --json into tmp_path; it must succeed. Returns the report."""
+    out_json = tmp_path / "dump.json"
+    code, _, err = _main(capsys, *argv, "--json", str(out_json))
+    assert code == 0, err
+    return json.loads(out_json.read_text())
+
+
 def _check_schema(report: dict) -> None:
     for key in ("world_size", "strategy", "options", "params", "collectives", "estimate", "graphs"):
         assert key in report, key
@@ -94,11 +102,7 @@ def test_builtin_end_to_end_through_the_cli(tmp_path):
 
 
 def test_file_target_without_loss_fn_json_is_consistent(capsys, tmp_path):
-    out_json = tmp_path / "tiny.json"
-    code, out, err = _main(capsys, f"{TINY}:make", "--world-size", "4", "--stage", "none",
-                           "--json", str(out_json))
-    assert code == 0, err
-    report = json.loads(out_json.read_text())
+    report = _json_report(capsys, tmp_path, f"{TINY}:make", "--world-size", "4", "--stage", "none")
     _check_schema(report)
     params = {p["name"]: p for p in report["params"]["list"]}
     assert report["params"]["count"] == len(params) == 6
@@ -135,11 +139,8 @@ def test_module_target_and_every_stage_printed(capsys):
                                                             "all_reduce"}),
 ])
 def test_strategies_match_their_theory(capsys, tmp_path, strategy, extra, fwd_ops, bwd_ops):
-    out_json = tmp_path / "s.json"
-    code, _, err = _main(capsys, f"{TINY}:make", "--model-args", "dim=8", "-n", "4",
-                         "--strategy", strategy, *extra, "--stage", "none", "--json", str(out_json))
-    assert code == 0, err
-    report = json.loads(out_json.read_text())
+    report = _json_report(capsys, tmp_path, f"{TINY}:make", "--model-args", "dim=8", "-n", "4",
+                          "--strategy", strategy, *extra, "--stage", "none")
     _check_schema(report)
     ops = {g: {c["op"] for c in report["collectives"] if c["graph"] == g}
            for g in ("forward", "backward")}
@@ -153,11 +154,8 @@ def test_strategies_match_their_theory(capsys, tmp_path, strategy, extra, fwd_op
 
 
 def test_mixed_precision_gathers_in_param_dtype(capsys, tmp_path):
-    out_json = tmp_path / "mp.json"
-    code, _, err = _main(capsys, f"{TINY}:make", "-n", "2", "--param-dtype", "bfloat16",
-                         "--stage", "none", "--json", str(out_json))
-    assert code == 0, err
-    report = json.loads(out_json.read_text())
+    report = _json_report(capsys, tmp_path, f"{TINY}:make", "-n", "2", "--param-dtype", "bfloat16",
+                          "--stage", "none")
     gathers = [c for c in report["collectives"] if c["op"] == "all_gather"]
     assert gathers and all(c["dtype"] == "bfloat16" for c in gathers)
     assert _bytes(report, "forward", "all_gather") == report["params"]["bytes"] // 2
@@ -206,11 +204,7 @@ def test_refuses_to_replace_an_existing_process_group(capsys, fake_pg):
 
 
 def test_frozen_model_dumps_its_inference_graph(capsys, tmp_path):
-    out_json = tmp_path / "frozen.json"
-    code, out, err = _main(capsys, f"{TINY}:frozen_model", "-n", "2", "--stage", "none",
-                           "--json", str(out_json))
-    assert code == 0, err
-    report = json.loads(out_json.read_text())
+    report = _json_report(capsys, tmp_path, f"{TINY}:frozen_model", "-n", "2", "--stage", "none")
     assert report["graphs"]["backward"] is None and "def forward" in report["graphs"]["forward"]
     assert {c["graph"] for c in report["collectives"]} == {"forward"}
     assert "no backward graph" in " ".join(report["comm"]["notes"])
@@ -242,15 +236,10 @@ def test_llama3_8b_shapes_dump_at_world_size_64_without_allocating_weights(tmp_p
 def test_collectives_carried_by_all_to_all_are_reported_as_what_they_do(capsys, tmp_path):
     # The transport stage may exchange gathers and reductions by all-to-all; the report still
     # counts them as all-gathers and reduce-scatters, with the same bytes.
-    reports = {}
-    for transport in ("native", "all_to_all"):
-        out_json = tmp_path / f"{transport}.json"
-        code, _, err = _main(capsys, *SMALL_TRANSFORMER, "--world-size", "4", "--stage", "none",
-                             "-o", f"all_gather={transport}", "-o", f"reduce_scatter={transport}",
-                             "--json", str(out_json))
-        assert code == 0, err
-        reports[transport] = json.loads(out_json.read_text())
-    native, exchanged = reports["native"], reports["all_to_all"]
+    native, exchanged = (
+        _json_report(capsys, tmp_path, *SMALL_TRANSFORMER, "--world-size", "4", "--stage", "none",
+                     "-o", f"all_gather={transport}", "-o", f"reduce_scatter={transport}")
+        for transport in ("native", "all_to_all"))
     assert "all_to_all_single" in exchanged["graphs"]["forward"]
     assert "all_gather_into_tensor" not in exchanged["graphs"]["forward"]
     assert "reduce_scatter_tensor" not in exchanged["graphs"]["backward"]

@@ -13,9 +13,10 @@ from graphshard.backend import GraphshardCompiler
 from graphshard.launch import run_local
 from graphshard.options import GraphshardOptions
 from passes.graph_utils import ALL_GATHER, ALL_REDUCE, REDUCE_SCATTER
+from tests.workers import ADAMW_DEFAULT_EPS, LR, reference_zoo
 from tests.zoo import Zoo, zoo_batch, zoo_loss
 
-K, STEPS, BATCH, LR = 3, 2, 12, 1e-2
+K, STEPS, BATCH = 3, 2, 12
 
 
 def _counts(gm):
@@ -67,20 +68,6 @@ def test_mode_switch_errors(fake_pg):
 # --------------------------------------------------------------------------- gloo numerics
 
 
-def _reference():
-    torch.manual_seed(0)
-    model = Zoo()
-    opt = torch.optim.AdamW(model.parameters(), lr=LR)
-    tokens = zoo_batch(BATCH)
-    grads = []
-    for _ in range(STEPS):
-        zoo_loss(model(tokens), tokens).backward()
-        grads.append({n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None})
-        opt.step()
-        opt.zero_grad()
-    return grads, {n: p.detach().clone() for n, p in model.named_parameters()}
-
-
 def _accumulate(rank, world, modes):
     results = []
     for compiled, api in modes:
@@ -119,7 +106,8 @@ def _accumulate(rank, world, modes):
 
 
 def test_accumulation_matches_large_batch():
-    ref_grads, ref_params = _reference()
+    reference = reference_zoo(STEPS, BATCH, eps=ADAMW_DEFAULT_EPS, max_norm=None)
+    ref_grads, ref_params = reference.grads, reference.params
     modes = [(False, "context"), (False, "setter"), (True, "context"), (True, "setter")]
     for rank_results in run_local(_accumulate, 2, modes):
         for mode, (grads, params) in zip(modes, rank_results):

@@ -14,9 +14,10 @@ from graphshard.backend import GraphshardCompiler
 from graphshard.launch import run_local
 from graphshard.options import GraphshardOptions
 from passes.graph_utils import ALL_GATHER, ALL_REDUCE, REDUCE_SCATTER, collective_group, wait_of
+from tests.workers import ADAMW_DEFAULT_EPS, LR, reference_zoo
 from tests.zoo import Zoo, zoo_batch, zoo_loss
 
-STEPS, BATCH, LR, K = 2, 12, 1e-2, 3
+STEPS, BATCH, K = 2, 12, 3
 
 
 def _collectives(gm):
@@ -77,21 +78,6 @@ def test_hybrid_graph_groups(fake_pg):
 # --------------------------------------------------------------------------- gloo, 2 x 2
 
 
-def _reference():
-    torch.manual_seed(0)
-    model = Zoo()
-    opt = torch.optim.AdamW(model.parameters(), lr=LR)
-    tokens = zoo_batch(BATCH)
-    losses = []
-    for _ in range(STEPS):
-        loss = zoo_loss(model(tokens), tokens)
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
-        losses.append(loss.item())
-    return losses, {n: p.detach().clone() for n, p in model.named_parameters()}
-
-
 def _train(rank, world, configs):
     mesh = init_device_mesh("cpu", (2, world // 2), mesh_dim_names=("replicate", "shard"))
     per = BATCH // world
@@ -130,7 +116,8 @@ def _train(rank, world, configs):
 
 
 def test_hybrid_2x2_matches_single_process():
-    ref_losses, ref_params = _reference()
+    reference = reference_zoo(STEPS, BATCH, eps=ADAMW_DEFAULT_EPS, max_norm=None)
+    ref_losses, ref_params = reference.losses, reference.params
     # 4 processes on 2 cores: few configs (full no-sync is covered at world size 2 elsewhere).
     configs = [(False, None), (True, None), (False, "replica_only"), (True, "replica_only")]
     for rank_results in run_local(_train, 4, configs):

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 
 import torch
 
@@ -9,6 +10,7 @@ import graphshard
 from tests.zoo import Zoo, zoo_batch, zoo_loss
 
 LR, EPS, MAX_NORM = 1e-2, 1e-4, 0.5  # eps large enough that float noise is not amplified
+ADAMW_DEFAULT_EPS = 1e-8  # for runs whose sharded side uses AdamW's default
 
 
 def _step(model_fn, params, opt, tokens):
@@ -20,18 +22,34 @@ def _step(model_fn, params, opt, tokens):
     return loss.detach(), norm
 
 
-def reference_zoo(steps: int, batch: int = 12):
-    """Single process, whole global batch."""
+@dataclass
+class ZooRun:
+    losses: list[float]
+    norms: list[float]  # global gradient norms (empty without clipping)
+    grads: list[dict[str, torch.Tensor]]  # per step, before clipping
+    params: dict[str, torch.Tensor]  # after the last step
+
+
+def reference_zoo(steps: int, batch: int = 12, *, eps: float = EPS,
+                  max_norm: float | None = MAX_NORM) -> ZooRun:
+    """Single process, whole global batch: AdamW(lr=LR, eps), clip_grad_norm_ to max_norm
+    (None: no clipping)."""
     torch.manual_seed(0)
     model = Zoo()
-    opt = torch.optim.AdamW(model.parameters(), lr=LR, eps=EPS)
+    opt = torch.optim.AdamW(model.parameters(), lr=LR, eps=eps)
     tokens = zoo_batch(batch)
-    losses, norms = [], []
+    run = ZooRun([], [], [], {})
     for _ in range(steps):
-        loss, norm = _step(model, list(model.parameters()), opt, tokens)
-        losses.append(loss.item())
-        norms.append(float(norm))
-    return losses, norms, {n: p.detach().clone() for n, p in model.named_parameters()}
+        loss = zoo_loss(model(tokens), tokens)
+        loss.backward()
+        run.losses.append(loss.item())
+        run.grads.append({n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None})
+        if max_norm is not None:
+            run.norms.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)))
+        opt.step()
+        opt.zero_grad()
+    run.params = {n: p.detach().clone() for n, p in model.named_parameters()}
+    return run
 
 
 def train_zoo(rank: int, world: int, configs, steps: int, batch: int = 12):
