@@ -25,6 +25,7 @@ from graphshard import ops  # noqa: F401  (registers torch.ops.graphshard.*)
 from graphshard.cost_model import ClusterSpec, collective_node_cost, node_cost
 from graphshard.options import GraphshardOptions
 from passes.graph_utils import is_reduce_grad, is_unshard
+from passes.markers import UnshardSpec
 from passes.bucket_collectives import bucket_collectives
 from passes.insert_collectives import insert_collectives
 from passes.all_gather_via_all_to_all import all_gather_via_all_to_all
@@ -32,9 +33,6 @@ from passes.merge_duplicate_unshards import merge_duplicate_unshards
 from passes.reduce_scatter_via_all_to_all import reduce_scatter_via_all_to_all
 from passes.reorder_collectives import ReorderPolicy, reorder_collectives
 from passes.reshard_policy import tag_reshard_policy
-
-REDUCE_GROUPS_ARG = 6  # index of reduce_groups in graphshard::unshard's schema
-
 
 @dataclass(frozen=True)
 class PassContext:
@@ -76,15 +74,15 @@ def _transport(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
 
 
 def _uses_gloo(gm: fx.GraphModule) -> bool:
-    """Whether the groups the markers reduce over are gloo groups (live ones, not fake)."""
-    from torch.distributed.distributed_c10d import _resolve_process_group
-
-    names = {name for node in _all_nodes(gm) if is_unshard(node) for name in node.args[REDUCE_GROUPS_ARG]}
-    try:
-        backends = {dist.get_backend(_resolve_process_group(name)) for name in names}
-    except (RuntimeError, ValueError, KeyError):
-        return False
+    """Whether the markers' process groups are gloo's (their backend travels in each marker)."""
+    backends = {UnshardSpec.from_node(node).backend for node in _all_nodes(gm) if is_unshard(node)}
     return backends == {"gloo"}
+
+
+def _param_order(gm: fx.GraphModule) -> dict[str, int]:
+    """Parameter name -> registration index, from the markers (bucketing packs in this order)."""
+    specs = (UnshardSpec.from_node(node) for node in _all_nodes(gm) if is_unshard(node))
+    return {spec.name: spec.order for spec in specs}
 
 
 PIPELINE: tuple[Stage, ...] = (
@@ -182,10 +180,7 @@ class GraphshardCompiler:
             return compile_fx(gm, example_inputs)
         _check_all_parameters_sharded(example_inputs)
         gm = merge_duplicate_unshards(gm)
-        # shard() tags each parameter with (name, registration index); bucketing packs by it.
-        param_order = dict(
-            getattr(x, "_graphshard_order") for x in example_inputs if hasattr(x, "_graphshard_order")
-        )
+        param_order = _param_order(gm)
         via_all_to_all = self.options.via_all_to_all(on_gloo=_uses_gloo(gm))
         from torch._inductor.decomposition import select_decomp_table
         # Some of Inductor's decompositions consult its lowerings (max_pool2d_with_indices does);

@@ -36,7 +36,8 @@ from typing import Iterator
 import torch
 import torch.nn as nn
 
-from graphshard import ops  # noqa: F401  (registers torch.ops.graphshard.*)
+from graphshard.ops import call_reduce_grad, call_unshard
+from passes.markers import ReduceSpec, UnshardSpec
 
 
 class SyncMode(enum.Enum):
@@ -78,19 +79,11 @@ def _accumulation_leaf(shape: torch.Size, dtype: torch.dtype, device: torch.devi
 # policy) and bucket them like any other gather; only the backward differs.
 
 
-def _gather(local: torch.Tensor, spec) -> torch.Tensor:
-    return torch.ops.graphshard.unshard(
-        local, spec.full_dim0, spec.gather_group, spec.gather_size, spec.compute_dtype,
-        spec.reshard_after_forward, list(spec.reduce_groups), list(spec.reduce_sizes),
-        spec.scatter, spec.reduce_dtype, spec.name,
-    )
-
-
-def _reduce(grad, local_dim0, spec, groups: slice, scatter: bool, out_dtype):
-    return torch.ops.graphshard.reduce_grad(
-        grad, local_dim0, list(spec.reduce_groups[groups]), list(spec.reduce_sizes[groups]),
-        scatter, spec.reduce_dtype, out_dtype, spec.name,
-    )
+def _reduce(grad, local_dim0: int, spec: UnshardSpec, groups: slice, scatter: bool, out_dtype):
+    """Reduce over `spec`'s reduce groups selected by `groups` (shard group first)."""
+    return call_reduce_grad(grad, ReduceSpec(local_dim0, spec.reduce_groups[groups],
+                                             spec.reduce_sizes[groups], scatter, spec.reduce_dtype,
+                                             out_dtype, spec.name))
 
 
 class _UnshardNoSync(torch.autograd.Function):
@@ -99,7 +92,7 @@ class _UnshardNoSync(torch.autograd.Function):
     @staticmethod
     def forward(ctx, local, leaf, spec):
         ctx.leaf_dtype = leaf.dtype
-        return _gather(local, spec)
+        return call_unshard(local, spec)
 
     @staticmethod
     def backward(ctx, grad):
@@ -112,7 +105,7 @@ class _UnshardNoAllReduce(torch.autograd.Function):
     @staticmethod
     def forward(ctx, local, leaf, spec):
         ctx.spec, ctx.local_dim0, ctx.leaf_dtype = spec, local.shape[0] if local.dim() else 0, leaf.dtype
-        return _gather(local, spec)
+        return call_unshard(local, spec)
 
     @staticmethod
     def backward(ctx, grad):
@@ -121,7 +114,7 @@ class _UnshardNoAllReduce(torch.autograd.Function):
         return None, partial, None
 
 
-def unshard_for_grad_sync(param: nn.Parameter, local: torch.Tensor, spec, sync: GradSync
+def unshard_for_grad_sync(local: torch.Tensor, spec: UnshardSpec, sync: GradSync
                           ) -> torch.Tensor | None:
     """The parameter read for the current sync mode, or None for the ordinary unshard."""
     mode = sync.mode

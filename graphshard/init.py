@@ -24,7 +24,7 @@ import torch
 import torch.nn as nn
 from torch.distributed.tensor import DTensor
 
-from graphshard.sharding import SPECS_ATTR, _local_dim0_slice, shard_state
+from graphshard.sharding import SPECS_ATTR, _local_dim0_slice, bind_local_shards, shard_state
 
 
 def _default_init(module: nn.Module) -> None:
@@ -94,6 +94,7 @@ def materialize(model: nn.Module, device: str | torch.device = "cpu",
                                                   state.mesh)
                 for owner, owner_name in owners.pop(id(param)):
                     owner._parameters[owner_name] = sharded_of[id(param)]
+    bind_local_shards(model)
     return model
 
 

@@ -20,29 +20,15 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.utils._pytree import tree_map
 
-from graphshard import ops  # noqa: F401  (registers torch.ops.graphshard.*)
 from graphshard.grad_sync import GradSync, unshard_for_grad_sync
+from graphshard.ops import call_unshard
+from passes.markers import UnshardSpec
 from graphshard.policy import MixedPrecisionPolicy, ShardingStrategy, resolve_mixed_precision
 
-SPECS_ATTR = "_graphshard_specs"
+SPECS_ATTR = "_graphshard_specs"  # on every sharded module: name -> UnshardSpec
+LOCALS_ATTR = "_graphshard_locals"  # on every sharded module: name -> plain local-shard leaf
 STATE_ATTR = "_graphshard_state"
 GRAD_SYNC_ATTR = "_graphshard_grad_sync"  # on every sharded module: the model's GradSync
-
-
-@dataclass(frozen=True)
-class ParamShardSpec:
-    """Everything the marker ops need about one parameter, fixed at shard() time."""
-
-    name: str  # fully qualified name of the parameter's first registration
-    full_dim0: int
-    gather_group: str  # "" when the parameter is not sharded (gather is a no-op)
-    gather_size: int
-    reduce_groups: tuple[str, ...]  # shard group first, then replica groups
-    reduce_sizes: tuple[int, ...]
-    scatter: bool  # reduce-scatter on the first reduce group (else all-reduce)
-    reshard_after_forward: bool
-    compute_dtype: torch.dtype | None
-    reduce_dtype: torch.dtype | None
 
 
 @dataclass
@@ -55,26 +41,80 @@ class ShardState:
     grad_sync: GradSync
 
 
-def unshard_param(param: nn.Parameter, spec: ParamShardSpec) -> torch.Tensor:
-    """The full parameter for compute: graphshard::unshard of the local shard."""
-    local = param.to_local()
-    return torch.ops.graphshard.unshard(
-        local, spec.full_dim0, spec.gather_group, spec.gather_size, spec.compute_dtype,
-        spec.reshard_after_forward, list(spec.reduce_groups), list(spec.reduce_sizes),
-        spec.scatter, spec.reduce_dtype, spec.name,
-    )
+# --------------------------------------------------------------------------- local shards
+#
+# What a compiled graph reads is a plain tensor, never the DTensor parameter: each parameter's
+# local shard is bound to an autograd leaf of its own that shares the DTensor's storage. A DTensor
+# input would bring its DeviceMesh into the graph as an opaque object, which the partitioner may
+# save for backward (activation checkpointing around SDPA then fails in AOTAutograd's runtime) and
+# which makes Inductor's FX-graph cache key differ from run to run. Optimizers, clip_grad_norm_ and
+# DCP still see the DTensor parameters: the leaf's gradient is moved into the parameter's sharded
+# `.grad` as soon as autograd has accumulated it, and in-place updates of the parameter (the
+# optimizer step, loading a checkpoint) write the storage the leaf reads.
+
+
+def _bind_local_shard(param: nn.Parameter) -> torch.Tensor:
+    with torch.no_grad():
+        leaf = param.to_local().detach().requires_grad_(param.requires_grad)
+    if param.requires_grad:
+        leaf.register_post_accumulate_grad_hook(_grad_mover(param))
+    leaf._graphshard_param = param  # the parameter this leaf stands for (checked eagerly)
+    return leaf
+
+
+def _grad_mover(param: nn.Parameter) -> Callable[[torch.Tensor], None]:
+    def move(leaf: torch.Tensor) -> None:
+        if leaf.grad is None:  # a no-sync backward handed its gradient elsewhere
+            return
+        with torch.no_grad():
+            grad = DTensor.from_local(leaf.grad, param.device_mesh, param.placements,
+                                      run_check=False, shape=param.shape, stride=param.stride())
+            leaf.grad = None
+            if param.grad is None:
+                param.grad = grad
+            else:
+                param.grad += grad
+
+    return move
+
+
+def bind_local_shards(model: nn.Module) -> None:
+    """(Re)bind every sharded module's local-shard leaves to its current parameters, one leaf
+    per parameter object (tied weights share one). Called by shard() and materialize()."""
+    leaves: dict[int, torch.Tensor] = {}
+    for module in model.modules():
+        specs = getattr(module, SPECS_ATTR, None)
+        if specs is None:
+            continue
+        bound = {}
+        for name in specs:
+            param = module._parameters[name]
+            if id(param) not in leaves:
+                leaves[id(param)] = _bind_local_shard(param)
+            bound[name] = leaves[id(param)]
+        object.__setattr__(module, LOCALS_ATTR, bound)
+
+
+def _local_shard(module: nn.Module, name: str) -> torch.Tensor:
+    local = getattr(module, LOCALS_ATTR)[name]
+    if not torch.compiler.is_compiling():
+        # Eagerly, notice a parameter replaced behind our back (load_state_dict(assign=True),
+        # a user's `_parameters[...] = ...`) or frozen after shard(), and bind the new one.
+        param = module._parameters[name]
+        if local._graphshard_param is not param or local.requires_grad != param.requires_grad:
+            local = getattr(module, LOCALS_ATTR)[name] = _bind_local_shard(param)
+    return local
 
 
 def _param_property(name: str) -> property:
     def get(module: nn.Module) -> torch.Tensor:
-        param, spec = module._parameters[name], getattr(module, SPECS_ATTR)[name]
-        if param.requires_grad and torch.is_grad_enabled():
+        local, spec = _local_shard(module, name), getattr(module, SPECS_ATTR)[name]
+        if local.requires_grad and torch.is_grad_enabled():
             # No-sync micro-batches (gradient accumulation) take another path; Dynamo guards on the mode, so each mode is its own graph.
-            full = unshard_for_grad_sync(param, param.to_local(), spec,
-                                         getattr(module, GRAD_SYNC_ATTR))
+            full = unshard_for_grad_sync(local, spec, getattr(module, GRAD_SYNC_ATTR))
             if full is not None:
                 return full
-        return unshard_param(param, spec)
+        return call_unshard(local, spec)
 
     return property(_eager_when_not_inlined(get), doc=f"full (unsharded) parameter {name!r}")
 
@@ -165,6 +205,7 @@ def shard(
     mixed_precision: MixedPrecisionPolicy | None = None,
     param_dtype: torch.dtype | None = None,
     reduce_dtype: torch.dtype | None = None,
+    sync_module_states: bool = True,
 ) -> nn.Module:
     """Shard `model`'s parameters in place over `mesh` and return the same module.
 
@@ -175,6 +216,10 @@ def shard(
     mesh: a 1-D DeviceMesh (2-D for hybrid_shard); None means the default process group.
     mixed_precision / param_dtype / reduce_dtype: compute and gradient-reduction dtypes; the
         sharded parameters and optimizer state keep their own dtype.
+    sync_module_states: every rank starts from rank 0's model: its shards of rank 0's full
+        parameters, rank 0's replicated parameters and buffers (one scatter or broadcast per
+        tensor, rank 0 sending about the model's size once; graphshard/initial_sync.py). False
+        keeps what each rank built (then seed every rank alike).
     """
     if not isinstance(model, nn.Module):
         raise TypeError(f"graphshard.shard expects an nn.Module, got {type(model).__name__}")
@@ -209,13 +254,11 @@ def shard(
         )
 
     sharded: dict[int, nn.Parameter] = {}  # id(original) -> new: tied weights stay tied
-    specs: dict[int, ParamShardSpec] = {}
-    per_module: dict[nn.Module, dict[str, ParamShardSpec]] = {}
+    specs: dict[int, UnshardSpec] = {}
+    per_module: dict[nn.Module, dict[str, UnshardSpec]] = {}
     for module, name, fqn, param in slots:
         if id(param) not in sharded:
-            new_param, spec = _shard_param(param, fqn, mesh, strategy, policy)
-            # Registration order: bucketing packs parameters in it (read by the backend).
-            new_param._graphshard_order = (fqn, len(sharded))
+            new_param, spec = _shard_param(param, fqn, len(sharded), mesh, strategy, policy)
             sharded[id(param)], specs[id(param)] = new_param, spec
         module._parameters[name] = sharded[id(param)]
         per_module.setdefault(module, {})[name] = specs[id(param)]
@@ -224,9 +267,14 @@ def shard(
         object.__setattr__(module, SPECS_ATTR, module_specs)
         object.__setattr__(module, GRAD_SYNC_ATTR, grad_sync)
         module.__class__ = _sharded_class(type(module), tuple(sorted(module_specs)))
+    bind_local_shards(model)
     object.__setattr__(model, STATE_ATTR, ShardState(mesh, strategy, policy, grad_sync))
     if policy.param_dtype is not None and policy.cast_forward_inputs:
         model.register_forward_pre_hook(_input_caster(policy.param_dtype), with_kwargs=True)
+    if sync_module_states:
+        from graphshard.initial_sync import sync_initial_state
+
+        sync_initial_state(model, mesh, [(param, sharded[id(param)]) for *_, param in slots])
     return model
 
 
@@ -240,8 +288,9 @@ def _input_caster(dtype: torch.dtype) -> Callable:
     return cast
 
 
-def _shard_param(param: nn.Parameter, fqn: str, mesh: DeviceMesh, strategy: ShardingStrategy,
-                 policy: MixedPrecisionPolicy) -> tuple[nn.Parameter, ParamShardSpec]:
+def _shard_param(param: nn.Parameter, fqn: str, order: int, mesh: DeviceMesh,
+                 strategy: ShardingStrategy, policy: MixedPrecisionPolicy
+                 ) -> tuple[nn.Parameter, UnshardSpec]:
     shard_dim = mesh.ndim - 1  # the shard dimension is the last mesh dim
     shard_group = mesh.get_group(shard_dim)
     shard_size = mesh.size(shard_dim)
@@ -260,17 +309,19 @@ def _shard_param(param: nn.Parameter, fqn: str, mesh: DeviceMesh, strategy: Shar
     )
     new_param = nn.Parameter(dtensor, requires_grad=param.requires_grad)
     compute_dtype = policy.param_dtype if param.is_floating_point() else None
-    spec = ParamShardSpec(
-        name=fqn,
+    spec = UnshardSpec(
         full_dim0=param.shape[0] if param.dim() else 0,
         gather_group=shard_group.group_name if sharded else "",
         gather_size=shard_size if sharded else 1,
+        compute_dtype=compute_dtype if compute_dtype != param.dtype else None,
+        reshard_after_forward=strategy.reshard_after_forward,
         reduce_groups=(shard_group.group_name, *(g for g, _ in replica_groups)),
         reduce_sizes=(shard_size, *(s for _, s in replica_groups)),
         scatter=sharded,
-        reshard_after_forward=strategy.reshard_after_forward,
-        compute_dtype=compute_dtype if compute_dtype != param.dtype else None,
         reduce_dtype=policy.reduce_dtype if param.is_floating_point() else None,
+        name=fqn,
+        order=order,
+        backend=dist.get_backend(shard_group),
     )
     return new_param, spec
 

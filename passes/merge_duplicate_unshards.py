@@ -15,21 +15,9 @@ import torch
 import torch.fx as fx
 
 from passes.graph_utils import is_unshard
+from passes.markers import UnshardSpec
 
 _GRAD_MODE_SWITCHES = {torch._C._set_grad_enabled, torch.set_grad_enabled}
-
-
-def _is_to_local(node) -> bool:
-    return isinstance(node, fx.Node) and (
-        (node.op == "call_method" and node.target == "to_local")
-        or (node.op == "call_function" and getattr(node.target, "__name__", "") == "to_local"))
-
-
-def _source(node):
-    """The value an unshard reads, looking through DTensor.to_local (one call per read)."""
-    while _is_to_local(node):
-        node = node.args[0]
-    return node
 
 
 def merge_duplicate_unshards(gm: fx.GraphModule, ctx=None) -> fx.GraphModule:
@@ -41,19 +29,11 @@ def merge_duplicate_unshards(gm: fx.GraphModule, ctx=None) -> fx.GraphModule:
             continue
         if not is_unshard(node):
             continue
-        args = tuple(tuple(a) if isinstance(a, list) else a for a in node.args[1:])
-        key = (region, _source(node.args[0]), *args)
+        key = (region, node.args[0], UnshardSpec.from_node(node))
         if key not in first_by_key:
             first_by_key[key] = node
             continue
         node.replace_all_uses_with(first_by_key[key])
-        read = node.args[0]
         gm.graph.erase_node(node)
-        # Only the now-unused to_local chain goes; no whole-graph DCE (it would drop in-place
-        # call_method nodes, which FX does not know to be impure).
-        while _is_to_local(read) and not read.users:
-            parent = read.args[0]
-            gm.graph.erase_node(read)
-            read = parent
     gm.recompile()
     return gm

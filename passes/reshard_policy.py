@@ -12,14 +12,12 @@ import torch.fx as fx
 from torch.utils.checkpoint import CheckpointPolicy
 
 from passes.graph_utils import is_unshard
-
-RESHARD_ARG = 5  # index of reshard_after_forward in graphshard::unshard's schema
-
+from passes.markers import UnshardSpec
 
 def tag_reshard_policy(gm: fx.GraphModule, ctx=None) -> fx.GraphModule:
     for node in gm.graph.nodes:
         if is_unshard(node):
-            reshard = node.args[RESHARD_ARG]
+            reshard = UnshardSpec.from_node(node).reshard_after_forward
             node.meta["recompute"] = (
                 CheckpointPolicy.MUST_RECOMPUTE if reshard else CheckpointPolicy.MUST_SAVE
             )

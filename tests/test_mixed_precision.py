@@ -13,7 +13,8 @@ from graphshard.backend import GraphshardCompiler
 from graphshard.launch import run_local
 from graphshard.models import build_llama, cross_entropy_loss
 from graphshard.options import GraphshardOptions
-from passes.graph_utils import ALL_GATHER, REDUCE_SCATTER, aten
+from passes.graph_utils import ALL_GATHER, REDUCE_SCATTER
+from passes.lowering import CAST
 
 TINY = dict(batch=4, seq_len=8, dim=32, n_layers=2, n_heads=4, n_kv_heads=2, ffn_hidden=48,
             vocab_size=64)
@@ -53,9 +54,9 @@ def test_graph_dtypes_and_one_cast_per_gather(fake_pg, policy):
             source = gather.args[0]
             assert source.meta["val"].dtype == torch.bfloat16, gather.name
             # exactly one cast, straight from the fp32 shard (a graph input) to the gather
-            assert source.target is aten._to_copy.default and source.args[0].op == "placeholder"
+            assert source.target is CAST and source.args[0].op == "placeholder"
             assert source.args[0].meta["val"].dtype == torch.float32
-        casts_of_inputs = [n for n in gm.graph.nodes if n.target is aten._to_copy.default
+        casts_of_inputs = [n for n in gm.graph.nodes if n.target is CAST
                            and n.args[0].op == "placeholder"
                            and n.meta["val"].dtype == torch.bfloat16]
         assert len(casts_of_inputs) == len(gathers)  # once per gather, not once per use

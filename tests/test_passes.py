@@ -15,10 +15,11 @@ from graphshard.models import build_model
 from graphshard.options import GraphshardOptions
 from passes.bucket_collectives import bucket_collectives, plan_buckets
 from passes.graph_utils import (
-    ALL_GATHER, REDUCE_SCATTER, GraphEmitter, aten, collective_params, is_collective,
+    ALL_GATHER, REDUCE_SCATTER, GraphEmitter, aten, collective_params, dim0_chunk, is_collective,
     is_wait, node_order, wait_of,
 )
-from passes.insert_collectives import lower_reduce_grad, lower_unshard
+from passes.lowering import lower_reduce_grad, lower_unshard
+from passes.markers import ReduceSpec, UnshardSpec
 from passes.reorder_collectives import ReorderPolicy, reorder_collectives
 from tests.capture import call_nodes, capture_step
 
@@ -44,14 +45,16 @@ def gather_graph(world: int, params, use_order=None, backward=False) -> fx.Graph
     for name in use_order or [p[0] for p in params]:
         shard, shape, dtype = shards[name]
         emit = GraphEmitter(graph, mode, {"graphshard_params": (name,), "graphshard_role": "unshard"})
-        full = lower_unshard(emit, shard, shape[0], "0", world, None)
+        spec = UnshardSpec(shape[0], "0", world, None, True, ("0",), (world,), True, None, name,
+                           0, "fake")
+        full = lower_unshard(emit, shard, spec)
         compute = GraphEmitter(graph, mode)
         out = compute(aten.mul.Tensor, full, 2.0)
         outputs.append(out)
         if backward:
             emit = GraphEmitter(graph, mode, {"graphshard_params": (name,), "graphshard_role": "reduce_grad"})
-            outputs.append(lower_reduce_grad(emit, out, shard.meta["val"].shape[0], ["0"], [world],
-                                             True, None, dtype))
+            reduce = spec.reduce_spec(shard.meta["val"].shape[0], dtype)
+            outputs.append(lower_reduce_grad(emit, out, reduce))
     graph.output(tuple(outputs))
     return fx.GraphModule(torch.nn.Module(), graph)
 
@@ -192,8 +195,21 @@ def _transformer(**kw):
     return build_model("transformer", dim=64, n_layers=4, vocab_size=64, batch=8, seq_len=8, **kw)
 
 
+def _nbytes(node: fx.Node) -> int:
+    return node.meta["val"].numel() * node.meta["val"].element_size()
+
+
+# World size 6 leaves every dim-0 of 64 or 256 rows uneven: each shard is padded to ceil(d/6) rows.
+@pytest.mark.parametrize("fake_pg", [6], indirect=True)
 def test_captured_transformer_has_one_collective_per_unit(fake_pg):
+    world = fake_pg
     model, inputs, loss_fn = _transformer()
+    shapes = {name: tuple(p.shape) for name, p in model.named_parameters()}
+
+    def padded_bytes(names):  # float32, every rank's shard padded to the same rows
+        return sum(world * dim0_chunk(shapes[n][0], world) * math.prod(shapes[n][1:]) * 4
+                   for n in names)
+
     graphs = capture_step(model, inputs, loss_fn)
     fwd, bwd = graphs[("forward", "scheduled")], graphs[("backward", "scheduled")]
     units = 4 + 2  # four blocks, embeddings before, norm + head after
@@ -205,11 +221,17 @@ def test_captured_transformer_has_one_collective_per_unit(fake_pg):
     scatters = call_nodes(bwd, REDUCE_SCATTER)
     assert len(scatters) == units
     assert [s.meta["graphshard_bucket"] for s in scatters][1:5] == [f"layers.{i}" for i in (3, 2, 1, 0)]
-    total = len(fwd_gathers) + len(call_nodes(bwd, ALL_GATHER)) + len(scatters)
-    assert total <= 3 * units
-    # forward gathers: packed bytes = the parameters' padded sizes, all parameters covered
+    # forward gathers cover every parameter once
     covered = sorted(p for g in fwd_gathers for p in collective_params(g))
-    assert covered == sorted(n for n, _ in model.named_parameters())
+    assert covered == sorted(shapes)
+    # packed bytes = the bucket's parameters' padded sizes: a gather sends one padded shard per
+    # parameter and receives N of them; a reduce-scatter sends the padded full gradients
+    for gather in fwd_gathers + call_nodes(bwd, ALL_GATHER):
+        expected = padded_bytes(collective_params(gather))
+        assert (world * _nbytes(gather.args[0]), _nbytes(gather)) == (expected, expected), gather
+    for scatter in scatters:
+        expected = padded_bytes(collective_params(scatter))
+        assert (_nbytes(scatter.args[0]), world * _nbytes(scatter)) == (expected, expected), scatter
 
 
 def test_captured_backward_prefetches_gathers_and_delays_reduce_scatter_waits(fake_pg):

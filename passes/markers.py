@@ -1,0 +1,95 @@
+"""The marker ops' arguments, typed: one description per op, used wherever a marker is built or read.
+
+`graphshard::unshard(shard, *UnshardSpec.as_args())` marks a parameter read;
+`graphshard::reduce_grad(grad, *ReduceSpec.as_args())` marks where a gradient is reduced.
+The schemas in graphshard/ops.py list the same fields in the same order: a field added here is
+added there, and nothing else reads a marker's arguments by position.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+
+import torch
+import torch.fx as fx
+
+UNSHARD_SCHEMA = (
+    "(Tensor shard, SymInt full_dim0, str gather_group, int gather_size, "
+    "ScalarType? compute_dtype, bool reshard_after_forward, str[] reduce_groups, "
+    "int[] reduce_sizes, bool scatter, ScalarType? reduce_dtype, str name, int order, "
+    "str backend) -> Tensor"
+)
+REDUCE_SCHEMA = (
+    "(Tensor grad, SymInt local_dim0, str[] group_names, int[] group_sizes, bool scatter, "
+    "ScalarType? reduce_dtype, ScalarType out_dtype, str name) -> Tensor"
+)
+
+
+def _as_args(spec) -> tuple:
+    # Computed once per spec (specs are built at shard() time): parameter reads trace this.
+    return tuple(list(v) if isinstance(v, tuple) else v
+                 for v in (getattr(spec, f.name) for f in fields(spec)))
+
+
+def _from_arg(value):
+    return tuple(value) if isinstance(value, list) else value
+
+
+@dataclass(frozen=True)
+class UnshardSpec:
+    """Everything the lowering needs about one parameter, fixed at shard() time."""
+
+    full_dim0: int
+    gather_group: str  # "" when the parameter is not sharded (the gather is a copy)
+    gather_size: int
+    compute_dtype: torch.dtype | None  # cast before the gather (mixed precision)
+    reshard_after_forward: bool  # full_shard: gather again in backward; else keep from forward
+    reduce_groups: tuple[str, ...]  # shard group first, then replica groups
+    reduce_sizes: tuple[int, ...]
+    scatter: bool  # reduce-scatter on the first reduce group (else all-reduce)
+    reduce_dtype: torch.dtype | None
+    name: str  # fully qualified name of the parameter's first registration
+    order: int  # registration index in the model: bucketing packs parameters in this order
+    backend: str  # the process group's backend ("gloo", "nccl", "fake"): the transport depends on it
+
+    def __post_init__(self):
+        object.__setattr__(self, "_args", _as_args(self))
+
+    def as_args(self) -> tuple:
+        return self._args
+
+    @classmethod
+    def from_node(cls, node: fx.Node) -> "UnshardSpec":
+        return cls(*(_from_arg(a) for a in node.args[1:]))
+
+    def reduce_spec(self, local_dim0: int, out_dtype: torch.dtype) -> "ReduceSpec":
+        """The reduction of this parameter's gradient (the unshard's backward)."""
+        return ReduceSpec(local_dim0, self.reduce_groups, self.reduce_sizes, self.scatter,
+                          self.reduce_dtype, out_dtype, self.name)
+
+
+@dataclass(frozen=True)
+class ReduceSpec:
+    local_dim0: int  # rows of this rank's shard (the reduce-scatter's output)
+    group_names: tuple[str, ...]
+    group_sizes: tuple[int, ...]
+    scatter: bool
+    reduce_dtype: torch.dtype | None
+    out_dtype: torch.dtype  # the sharded parameter's dtype
+    name: str
+
+    def __post_init__(self):
+        object.__setattr__(self, "_args", _as_args(self))
+
+    def as_args(self) -> tuple:
+        return self._args
+
+    @classmethod
+    def from_node(cls, node: fx.Node) -> "ReduceSpec":
+        return cls(*(_from_arg(a) for a in node.args[1:]))
+
+
+assert [f.name for f in fields(UnshardSpec)] == [
+    a.split()[-1] for a in UNSHARD_SCHEMA.split(")")[0][1:].split(", ")[1:]]
+assert [f.name for f in fields(ReduceSpec)] == [
+    a.split()[-1] for a in REDUCE_SCHEMA.split(")")[0][1:].split(", ")[1:]]
