@@ -10,6 +10,7 @@ The pipeline is data: `PIPELINE` below is the single list of stages, and `graphs
 
 from __future__ import annotations
 
+import inspect
 import math
 from dataclasses import dataclass, field
 from typing import Any, Callable, Mapping, Sequence
@@ -18,6 +19,7 @@ import torch
 import torch.distributed as dist
 import torch.fx as fx
 from torch._dynamo.backends.common import aot_autograd
+from torch._dynamo.exc import ShortenTraceback
 from torch._functorch.aot_autograd import make_boxed_func
 from torch.distributed.tensor import DTensor
 
@@ -201,8 +203,27 @@ class GraphshardCompiler:
             return backend(gm, example_inputs)
 
 
+class OptionsError(ValueError, ShortenTraceback):
+    """Bad `options` to torch.compile(backend="graphshard"), raised at the first compilation.
+
+    torch.compile only stores `options` and Dynamo passes them to the backend when it compiles
+    the first graph, so that is the earliest they can be checked. Dynamo wraps anything a
+    backend raises in BackendCompilerFailed, whose first line is "backend='graphshard' raised:",
+    except its own ShortenTraceback (private API; no public way exists), which it re-raises as
+    is, with its frames cut above `first_useful_frame`: so our message is the error's first
+    line and the traceback ends in graphshard_backend. Still a ValueError to catch."""
+
+    def __init__(self, message: str, first_useful_frame):
+        ValueError.__init__(self, message)
+        self.first_useful_frame = first_useful_frame
+
+
 def graphshard_backend(gm: fx.GraphModule, example_inputs: Sequence[Any],
                        options: dict | None = None):
     """Entry point of `torch.compile(model, backend="graphshard", options={...})`."""
-    return GraphshardCompiler(GraphshardOptions.from_dict(options))(gm, example_inputs)
+    try:
+        parsed = GraphshardOptions.from_dict(options)
+    except ValueError as exc:
+        raise OptionsError(str(exc), inspect.currentframe()) from None
+    return GraphshardCompiler(parsed)(gm, example_inputs)
 

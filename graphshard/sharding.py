@@ -109,6 +109,8 @@ def _local_shard(module: nn.Module, name: str) -> torch.Tensor:
 def _param_property(name: str) -> property:
     def get(module: nn.Module) -> torch.Tensor:
         local, spec = _local_shard(module, name), getattr(module, SPECS_ATTR)[name]
+        if local.is_meta:  # static under torch.compile: Dynamo re-raises it as is
+            raise RuntimeError(_still_on_meta(module))
         if local.requires_grad and torch.is_grad_enabled():
             # No-sync micro-batches (gradient accumulation) take another path; Dynamo guards on the mode, so each mode is its own graph.
             full = unshard_for_grad_sync(local, spec, getattr(module, GRAD_SYNC_ATTR))
@@ -117,6 +119,15 @@ def _param_property(name: str) -> property:
         return call_unshard(local, spec)
 
     return property(_eager_when_not_inlined(get), doc=f"full (unsharded) parameter {name!r}")
+
+
+def _still_on_meta(module: nn.Module) -> str:
+    locals_ = getattr(module, LOCALS_ATTR)
+    names = [spec.name for n, spec in getattr(module, SPECS_ATTR).items() if locals_[n].is_meta]
+    return (f"graphshard: parameter(s) {', '.join(names)} are still on the meta device: the "
+            "model was sharded on the meta device and never materialised. Call "
+            "graphshard.materialize(model) after graphshard.shard(model) and before the first "
+            "forward (or load full weights with model.load_state_dict(state_dict, assign=True))")
 
 
 def _eager_when_not_inlined(fn: Callable) -> Callable:
@@ -144,11 +155,144 @@ def _sharded_class(cls: type, param_names: tuple[str, ...]) -> type:
     # one guard set and one compiled graph for identical blocks.
     properties = {name: _param_property(name) for name in param_names}
     properties["_graphshard_base_class"] = cls
+    properties["_graphshard_param_names"] = param_names
+    properties["_load_from_state_dict"] = _load_from_state_dict
+    properties["__reduce_ex__"] = _reduce_sharded_module
+    properties["__copy__"] = _copy_sharded_module
     if issubclass(cls, nn.RNNBase):
         # RNNs cache their parameter objects in `_flat_weights` at construction; read them
         # through the properties instead, or the cached, unsharded originals would be used.
         properties["_flat_weights"] = property(_rnn_flat_weights, lambda self, value: None)
     return type(f"Sharded{cls.__name__}", (cls,), properties)
+
+
+# --------------------------------------------------------------------------- loading full weights
+#
+# nn.Module's loader copies each state-dict value into the parameter (`param.copy_(value)`):
+# a DTensor value (model.state_dict(), DCP) works as is, but a plain full tensor (an unsharded
+# model's state dict, torch.load, a Hugging Face checkpoint) meets a DTensor parameter, which
+# DTensor refuses. Each sharded module's loader first turns such a value into this rank's part of
+# it, as a DTensor laid out like the parameter, so the copy stays in place (the local-shard leaf
+# the compiled graph reads shares that storage). Every rank slices its own full copy: no
+# communication. Absent, mis-shaped and non-tensor values are left to nn.Module's loader, which
+# reports them by their state-dict key.
+
+
+def _this_rank_part(full: torch.Tensor, param: nn.Parameter) -> torch.Tensor:
+    """This rank's local shard of `full` (`param`'s global shape), cut as shard() cuts it:
+    torch.chunk along dim 0 over the shard mesh dimension, or whole where replicated."""
+    mesh = param.device_mesh
+    shard_dim = mesh.ndim - 1
+    part = full.detach()
+    if param.placements[shard_dim].is_shard():
+        part = _local_dim0_slice(part, mesh.get_local_rank(shard_dim), mesh.size(shard_dim))
+    local = param.to_local()
+    return part.to(torch.device(mesh.device_type) if local.is_meta else local.device)
+
+
+def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys,
+                          unexpected_keys, error_msgs) -> None:
+    given: dict[str, torch.Tensor] = {}  # key -> the caller's value, put back afterwards
+    try:
+        assigned = _to_this_rank(self, state_dict, prefix, local_metadata, given)
+        type(self)._graphshard_base_class._load_from_state_dict(
+            self, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
+            error_msgs)
+    finally:
+        state_dict.update(given)
+    if assigned:
+        missing_keys[:] = [key for key in missing_keys if key not in assigned]
+        leaves = getattr(self, LOCALS_ATTR)
+        for name in getattr(self, SPECS_ATTR):
+            if leaves[name]._graphshard_param is not self._parameters[name]:
+                leaves[name] = _bind_local_shard(self._parameters[name])
+
+
+def _to_this_rank(module: nn.Module, state_dict, prefix: str, local_metadata: dict,
+                  given: dict[str, torch.Tensor]) -> list[str]:
+    """Replace, in `state_dict`, each plain full tensor for a sharded parameter by this rank's
+    part as a DTensor (the caller's values go into `given`). With assign=True, assign those
+    parameters here instead and return their keys (taken out of `state_dict`): nn.Module's
+    loader would setattr, which first reads the parameter through its property (a gather, of
+    meta tensors on a model never materialised)."""
+    assign = local_metadata.get("assign_to_params_buffers", False)
+    assigned = []
+    for name in getattr(module, SPECS_ATTR):
+        key, param = prefix + name, module._parameters[name]
+        value = state_dict.get(key)
+        if not isinstance(value, torch.Tensor) or value.shape != param.shape:
+            continue
+        if isinstance(value, DTensor):
+            if not assign or (value.device_mesh, value.placements) != (param.device_mesh,
+                                                                       param.placements):
+                continue  # copied (redistributed if need be) by nn.Module's loader
+            new = value
+        else:
+            part = _this_rank_part(value, param)
+            if assign:  # own storage: the caller's full tensor can be freed
+                part = part.clone(memory_format=torch.contiguous_format)
+            new = DTensor.from_local(part, param.device_mesh, param.placements, run_check=False,
+                                     shape=param.shape, stride=param.stride())
+            if not assign:
+                given[key], state_dict[key] = value, new
+                continue
+        given[key] = state_dict.pop(key)
+        if not isinstance(new, nn.Parameter):
+            new = nn.Parameter(new, requires_grad=param.requires_grad)
+        module._parameters[name] = new.requires_grad_(param.requires_grad)
+        assigned.append(key)
+    return assigned
+
+
+# --------------------------------------------------------------------------- pickling, deepcopy
+#
+# A generated class cannot be found by name, so a sharded module pickles as its recipe: the
+# plain class (by reference, as for any module) and its parameter names, rebuilt through the
+# same cache, so an unpickled or deep-copied module shares its class with the live ones (and
+# their compiled graphs). Registering the classes under names in a module would need those
+# names to exist before unpickling in a fresh process, i.e. the same recipe encoded in a name.
+# The local-shard leaves are not copied: their gradient hooks are closures over the original
+# parameters. Each is bound again to its unpickled (or copied) parameter, one leaf per leaf,
+# so tied parameters share a leaf again.
+
+
+class _LeafStandIn:
+    """Pickles as `_bind_local_shard(param)`; one per leaf, so the pickle memo keeps sharing."""
+
+    def __init__(self, param: nn.Parameter):
+        self.param = param
+
+    def __reduce__(self):
+        return _bind_local_shard, (self.param,)
+
+
+def _stand_in(leaf: torch.Tensor) -> _LeafStandIn:
+    stand_in = getattr(leaf, "_graphshard_stand_in", None)
+    if stand_in is None:
+        stand_in = leaf._graphshard_stand_in = _LeafStandIn(leaf._graphshard_param)
+    return stand_in
+
+
+def _new_sharded_module(base: type, param_names: tuple[str, ...]) -> nn.Module:
+    cls = _sharded_class(base, param_names)
+    return cls.__new__(cls)
+
+
+def _copy_sharded_module(self) -> nn.Module:
+    # copy.copy shares parameters, hence leaves (it would otherwise use __reduce_ex__ without
+    # rebuilding the stand-ins).
+    new = type(self).__new__(type(self))
+    new.__setstate__(self.__getstate__())
+    return new
+
+
+def _reduce_sharded_module(self, protocol: int):
+    cls = type(self)
+    state = self.__getstate__()
+    leaves = state.get(LOCALS_ATTR) if isinstance(state, dict) else None
+    if leaves is not None:
+        state = {**state, LOCALS_ATTR: {name: _stand_in(leaf) for name, leaf in leaves.items()}}
+    return _new_sharded_module, (cls._graphshard_base_class, cls._graphshard_param_names), state
 
 
 def _check(condition: bool, message: Callable[[], str]) -> None:
@@ -178,6 +322,49 @@ def _named_param_slots(model: nn.Module) -> Iterator[tuple[nn.Module, str, str, 
         for name, param in module._parameters.items():
             if param is not None:
                 yield module, name, f"{module_name}.{name}" if module_name else name, param
+
+
+def _check_not_wrapped(model: nn.Module) -> None:
+    """Refuse a model that another data-parallel wrapper already reduces or shards: both would
+    act on every gradient (DDP's reducer and graphshard's reductions), or both would own the
+    parameters (FSDP's flat or DTensor shards)."""
+    from torch.distributed.fsdp import FSDPModule, FullyShardedDataParallel
+    from torch.nn.parallel import DataParallel, DistributedDataParallel
+
+    refusals = (
+        (DistributedDataParallel, "wrapped in DistributedDataParallel, whose reducer would "
+         "all-reduce every gradient that graphshard reduces too. Drop the DDP wrapper and shard "
+         "the inner module: graphshard.shard(ddp_model.module) (strategy='no_shard' is "
+         "graphshard's DDP)"),
+        (DataParallel, "wrapped in nn.DataParallel (replicas in one process). Drop the wrapper "
+         "and shard the inner module, one process per device: graphshard.shard(dp_model.module)"),
+        (FullyShardedDataParallel, "wrapped in FullyShardedDataParallel (FSDP1), which already "
+         "shards its parameters. Use one of the two: build the model without the FSDP wrapper "
+         "and graphshard.shard the plain module"),
+        (FSDPModule, "already sharded by FSDP2's fully_shard, whose parameters are DTensors of "
+         "its own. Use one of the two: build the model again without fully_shard and "
+         "graphshard.shard the plain module"),
+    )
+    for name, module in model.named_modules():
+        for wrapper, what in refusals:
+            if isinstance(module, wrapper):
+                where = "the model" if not name else f"submodule {name!r}"
+                raise ValueError(f"graphshard.shard: {where} ({type(module).__name__}) is {what}")
+
+
+def _check_plain_parameters(model: nn.Module, slots: list) -> None:
+    if hasattr(model, STATE_ATTR) or any(hasattr(m, SPECS_ATTR) for m, *_ in slots):
+        raise ValueError("model is already sharded by graphshard (it, or the model it belongs "
+                         "to, went through graphshard.shard); call graphshard.shard once per model")
+    for _, _, fqn, param in slots:
+        if isinstance(param, DTensor):
+            raise ValueError(
+                f"graphshard.shard: parameter {fqn!r} is already a DTensor ({param.placements} "
+                f"over a mesh of shape {tuple(param.device_mesh.shape)}: tensor parallelism, "
+                "distribute_tensor or another sharding library). graphshard shards plain "
+                "parameters and makes its own DTensors: build the model with plain tensors "
+                "(or replace each DTensor by its full_tensor()) and then call graphshard.shard"
+            )
 
 
 def _contiguous_strides(shape: torch.Size) -> tuple[int, ...]:
@@ -225,13 +412,9 @@ def shard(
         raise TypeError(f"graphshard.shard expects an nn.Module, got {type(model).__name__}")
     strategy = ShardingStrategy.parse(strategy)
     policy = resolve_mixed_precision(mixed_precision, param_dtype, reduce_dtype)
+    _check_not_wrapped(model)
     slots = list(_named_param_slots(model))
-    for _, _, fqn, param in slots:
-        if isinstance(param, DTensor) or hasattr(model, STATE_ATTR):
-            raise ValueError(
-                f"model is already sharded (parameter {fqn!r} is a DTensor); "
-                "call graphshard.shard once per model"
-            )
+    _check_plain_parameters(model, slots)
     devices = {param.device for *_, param in slots}
     if len(devices) > 1:
         where = {str(d): next(f for _, _, f, p in slots if p.device == d) for d in devices}
@@ -270,7 +453,8 @@ def shard(
     bind_local_shards(model)
     object.__setattr__(model, STATE_ATTR, ShardState(mesh, strategy, policy, grad_sync))
     if policy.param_dtype is not None and policy.cast_forward_inputs:
-        model.register_forward_pre_hook(_input_caster(policy.param_dtype), with_kwargs=True)
+        model.register_forward_pre_hook(functools.partial(_cast_forward_inputs, policy.param_dtype),
+                                        with_kwargs=True)
     if sync_module_states:
         from graphshard.initial_sync import sync_initial_state
 
@@ -278,14 +462,13 @@ def shard(
     return model
 
 
-def _input_caster(dtype: torch.dtype) -> Callable:
-    def cast(module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
-        def to_compute(x):
-            return x.to(dtype) if isinstance(x, torch.Tensor) and x.is_floating_point() else x
+def _cast_forward_inputs(dtype: torch.dtype, module: nn.Module, args: tuple, kwargs: dict
+                         ) -> tuple[tuple, dict]:
+    # A module-level function under functools.partial, not a closure: the model stays picklable.
+    def to_compute(x):
+        return x.to(dtype) if isinstance(x, torch.Tensor) and x.is_floating_point() else x
 
-        return tree_map(to_compute, (args, kwargs))
-
-    return cast
+    return tree_map(to_compute, (args, kwargs))
 
 
 def _shard_param(param: nn.Parameter, fqn: str, order: int, mesh: DeviceMesh,

@@ -13,9 +13,10 @@ from graphshard.options import GraphshardOptions
 
 
 def capture_step(model, inputs, loss_fn, *, strategy="full_shard", options=None, shard_kwargs=None):
-    """Shard `model`, run one compiled forward+backward (no Inductor), return
-    {(graph_kind, stage): GraphModule snapshot}."""
-    graphshard.shard(model, strategy=strategy, **(shard_kwargs or {}))
+    """Shard `model` (unless it already is), run one compiled forward+backward (no Inductor),
+    return {(graph_kind, stage): GraphModule snapshot}."""
+    if not graphshard.is_sharded(model):
+        graphshard.shard(model, strategy=strategy, **(shard_kwargs or {}))
     graphs: dict[tuple[str, str], fx.GraphModule] = {}
 
     def observe(kind, stage, gm):

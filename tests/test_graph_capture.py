@@ -103,3 +103,52 @@ def test_uneven_and_empty_shards_pad_to_chunk_and_narrow(fake_pg):
     bwd = graphs[("backward", "lowered")]
     rs = {_params(n)[0]: n for n in call_nodes(bwd, REDUCE_SCATTER)}
     assert tuple(rs["emb.weight"].args[0].meta["val"].shape) == (64, 6)  # padded to N x chunk
+
+
+def test_graphs_read_plain_local_shards_not_dtensors(fake_pg):
+    # A DTensor input brings its DeviceMesh into the graph as an opaque object; saved for
+    # backward inside a checkpointed SDPA region it broke AOTAutograd's runtime ("expected all
+    # tensors_saved_with_vc_check to be Tensors ... DeviceMesh").
+    from tests.zoo import TinyGPT, gpt_batch
+
+    model = TinyGPT("full")
+    graphs = capture_step(model, (gpt_batch(8),), zoo_loss)
+    for (kind, stage), gm in graphs.items():
+        inputs = [n.meta.get("val") for n in gm.graph.find_nodes(op="placeholder")]
+        odd = [type(v).__name__ for v in inputs
+               if not isinstance(v, (torch.SymInt, int)) and type(v) is not torch._subclasses.FakeTensor]
+        assert not odd, (kind, stage, odd)
+    assert all(isinstance(p.grad, torch.distributed.tensor.DTensor) for p in model.parameters()
+               if p.requires_grad)
+
+
+class _ReadsInReverse(torch.nn.Module):
+    """Registers `late` before `early` but uses `early` first: registration order differs
+    from graph order."""
+
+    def __init__(self):
+        super().__init__()
+        self.late = torch.nn.Linear(8, 8)
+        self.early = torch.nn.Linear(8, 8)
+
+    def forward(self, x):
+        return self.late(torch.tanh(self.early(x)))
+
+
+def test_materialized_parameters_keep_registration_order_for_bucketing(fake_pg):
+    import graphshard
+
+    def bucket_order(model):
+        x = torch.randn(4, 8)
+        graphs = capture_step(model, (x,), lambda out, x: out.square().mean())
+        return [_params(n) for n in call_nodes(graphs[("forward", "bucketed")], ALL_GATHER)]
+
+    torch.manual_seed(0)
+    built = bucket_order(_ReadsInReverse())
+    with torch.device("meta"):
+        model = _ReadsInReverse()
+    graphshard.shard(model)
+    graphshard.materialize(model)
+    materialized = bucket_order(model)
+    registration = ("late.weight", "late.bias", "early.weight", "early.bias")
+    assert built == materialized == [registration]

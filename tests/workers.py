@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+from torch.distributed.tensor import DTensor
 
 import graphshard
 from tests.zoo import Zoo, zoo_batch, zoo_loss
@@ -13,13 +14,30 @@ LR, EPS, MAX_NORM = 1e-2, 1e-4, 0.5  # eps large enough that float noise is not 
 ADAMW_DEFAULT_EPS = 1e-8  # for runs whose sharded side uses AdamW's default
 
 
-def _step(model_fn, params, opt, tokens):
+def _step(model_fn, params, opt, tokens, before_zero_grad=lambda: None):
     loss = zoo_loss(model_fn(tokens), tokens)
     loss.backward()
     norm = torch.nn.utils.clip_grad_norm_(params, MAX_NORM)
     opt.step()
+    before_zero_grad()
     opt.zero_grad()
     return loss.detach(), norm
+
+
+def grad_layout_problems(model: torch.nn.Module) -> list[str]:
+    """Trainable parameters whose gradient is not a DTensor laid out like the parameter (same
+    placements, this rank's local shape): one line each, empty when all are."""
+    problems = []
+    for name, p in model.named_parameters():
+        if not p.requires_grad:
+            continue
+        grad = p.grad
+        if not isinstance(grad, DTensor):
+            problems.append(f"{name}: gradient is {type(grad).__name__}, not a DTensor")
+        elif grad.placements != p.placements or grad.to_local().shape != p.to_local().shape:
+            problems.append(f"{name}: gradient {grad.placements} local {tuple(grad.to_local().shape)}"
+                            f", parameter {p.placements} local {tuple(p.to_local().shape)}")
+    return problems
 
 
 @dataclass
@@ -54,7 +72,8 @@ def reference_zoo(steps: int, batch: int = 12, *, eps: float = EPS,
 
 def train_zoo(rank: int, world: int, configs, steps: int, batch: int = 12):
     """For each (strategy, options-or-None) config: shard a fresh Zoo, train on this rank's
-    slice of the global batch, return the global losses, grad norms and full parameters."""
+    slice of the global batch, return the global losses, grad norms, full parameters and the
+    gradients' layout problems (see grad_layout_problems; checked each step before zero_grad)."""
     results = []
     for strategy, options in configs:
         torch.manual_seed(0)
@@ -66,15 +85,15 @@ def train_zoo(rank: int, world: int, configs, steps: int, batch: int = 12):
         tokens = zoo_batch(batch)
         per = batch // world
         local = tokens[rank * per:(rank + 1) * per]
-        losses, norms = [], []
+        losses, norms, grad_problems = [], [], []
         for _ in range(steps):
-            loss, norm = _step(fn, list(model.parameters()), opt, local)
+            loss, norm = _step(fn, list(model.parameters()), opt, local,
+                               lambda: grad_problems.extend(grad_layout_problems(model)))
             torch.distributed.all_reduce(loss)
             losses.append(loss.item() / world)
             norms.append(float(norm.full_tensor() if hasattr(norm, "full_tensor") else norm))
         full = {n: p.full_tensor() for n, p in model.named_parameters()}
-        grads_sharded = all(p.grad is None for p in model.parameters())
-        results.append((losses, norms, full, grads_sharded))
+        results.append((losses, norms, full, sorted(set(grad_problems))))
         torch._dynamo.reset()
     return results
 

@@ -38,3 +38,73 @@ def zoo_loss(logits: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
 
 def zoo_batch(batch: int = 12, seq: int = 8, vocab: int = 11) -> torch.Tensor:
     return torch.randint(0, vocab, (batch, seq), generator=torch.Generator().manual_seed(1))
+
+
+class GPTBlock(nn.Module):
+    """Pre-norm attention (scaled_dot_product_attention) and MLP; 30- and 15-row weights shard
+    unevenly at world sizes 2 and 4 (and 15 at 2)."""
+
+    def __init__(self, dim: int = 10, heads: int = 2, hidden: int = 15):
+        super().__init__()
+        self.heads = heads
+        self.norm1, self.norm2 = nn.LayerNorm(dim), nn.LayerNorm(dim)
+        self.qkv = nn.Linear(dim, 3 * dim)
+        self.proj = nn.Linear(dim, dim)
+        self.up = nn.Linear(dim, hidden)
+        self.down = nn.Linear(hidden, dim)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, t, d = x.shape
+        q, k, v = self.qkv(self.norm1(x)).view(b, t, 3, self.heads, d // self.heads).permute(2, 0, 3, 1, 4)
+        attn = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        x = x + self.proj(attn.transpose(1, 2).reshape(b, t, d))
+        return x + self.down(F.gelu(self.up(self.norm2(x))))
+
+
+def _selective_policy():
+    # Save matmul outputs, recompute everything else (the usual selective-AC policy).
+    import functools
+
+    from torch.utils.checkpoint import create_selective_checkpoint_contexts
+
+    return functools.partial(create_selective_checkpoint_contexts,
+                             [torch.ops.aten.mm.default, torch.ops.aten.addmm.default,
+                              torch.ops.aten.bmm.default])
+
+
+class TinyGPT(nn.Module):
+    """A GPT with what sharding finds hard: tied embedding/head (13 rows: uneven at 2, 3, 4), a
+    frozen parameter, a 0-dim parameter; each block optionally under non-reentrant activation
+    checkpointing ("full") or a selective policy ("selective")."""
+
+    def __init__(self, ac: str = "none", vocab: int = 13, dim: int = 10, n_blocks: int = 2):
+        super().__init__()
+        if ac not in ("none", "full", "selective"):
+            raise ValueError(f"ac must be 'none', 'full' or 'selective', got {ac!r}")
+        self.ac = ac
+        self.emb = nn.Embedding(vocab, dim)
+        self.blocks = nn.ModuleList(GPTBlock(dim) for _ in range(n_blocks))
+        self.frozen = nn.Linear(dim, dim)
+        self.frozen.requires_grad_(False)
+        self.scale = nn.Parameter(torch.tensor(0.7))
+        self.norm = nn.LayerNorm(dim)
+        self.head = nn.Linear(dim, vocab, bias=False)
+        self.head.weight = self.emb.weight
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        from torch.utils.checkpoint import checkpoint
+
+        h = self.emb(tokens)
+        for block in self.blocks:
+            if self.ac == "none":
+                h = block(h)
+            elif self.ac == "full":
+                h = checkpoint(block, h, use_reentrant=False)
+            else:
+                h = checkpoint(block, h, use_reentrant=False, context_fn=_selective_policy())
+        h = h + torch.tanh(self.frozen(h)) * self.scale
+        return self.head(self.norm(h))
+
+
+def gpt_batch(batch: int, seq: int = 8, vocab: int = 13) -> torch.Tensor:
+    return torch.randint(0, vocab, (batch, seq), generator=torch.Generator().manual_seed(5))

@@ -1,0 +1,409 @@
+"""Everyday calls on a sharded model (issue 17): loading full and DTensor state dicts, getting
+the full state dict, torch.save / pickle / deepcopy of the module, wrapped or foreign-sharded
+models refused at shard(), a meta model never materialised, bad backend options.
+
+One world-size-2 run does every check for full_shard and no_shard (one process group, one
+Inductor compile per strategy); a second run loads the pickled models in fresh processes."""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import io
+import os
+
+import pytest
+import torch
+import torch.nn as nn
+from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict,
+                                                     set_model_state_dict)
+from torch.distributed.tensor import DTensor
+
+import graphshard
+from graphshard import sharding
+from graphshard.launch import run_local
+from graphshard.sharding import LOCALS_ATTR, _sharded_class
+from tests.zoo import Zoo, zoo_batch, zoo_loss
+
+STRATEGIES = ("full_shard", "no_shard")
+TOL = 1e-5
+
+
+def _zoo(seed: int, device: str | None = None) -> Zoo:
+    torch.manual_seed(seed)
+    if device is None:
+        return Zoo()
+    with torch.device(device):
+        return Zoo()
+
+
+def _error(fn) -> str:
+    """The message of what fn raises ("" when it does not raise)."""
+    try:
+        fn()
+    except Exception as exc:  # noqa: BLE001 - the message is what is checked
+        return f"{type(exc).__name__}: {exc}"
+    return ""
+
+
+def _bad_state(full: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """A missing key, an unexpected key and a mis-shaped value."""
+    bad = dict(full)
+    del bad["block.bias"]
+    bad["extra.weight"] = torch.zeros(1)
+    bad["gate.weight"] = torch.zeros(2, 6)
+    return bad
+
+
+def _same(a: torch.Tensor, b: torch.Tensor) -> bool:
+    if a.shape != b.shape:
+        return False
+    return not a.numel() or (a - b).abs().max().item() <= TOL
+
+
+def _full_params(model: nn.Module) -> dict[str, torch.Tensor]:
+    return {n: p.full_tensor() for n, p in model.named_parameters()}
+
+
+def _leaves_bound(model: nn.Module) -> bool:
+    """Every local-shard leaf is bound to its module's current parameter and shares its storage."""
+    for module in model.modules():
+        for name, leaf in getattr(module, LOCALS_ATTR, {}).items():
+            param = module._parameters[name]
+            if leaf._graphshard_param is not param or (
+                    leaf.numel() and leaf.data_ptr() != param.to_local().data_ptr()):
+                return False
+    return True
+
+
+@contextlib.contextmanager
+def _counting_gathers():
+    """Counts the parameter properties' gathers (graphshard.sharding.call_unshard) in the block."""
+    count = [0]
+    original = sharding.call_unshard
+
+    def counting(local, spec):
+        count[0] += 1
+        return original(local, spec)
+
+    sharding.call_unshard = counting
+    try:
+        yield count
+    finally:
+        sharding.call_unshard = original
+
+
+def _eager_step(model: nn.Module, tokens: torch.Tensor) -> tuple[torch.Tensor, dict]:
+    """Forward, backward; the output and each trainable parameter's full gradient."""
+    out = model(tokens)
+    zoo_loss(out, tokens).backward()
+    grads = {n: p.grad.full_tensor() if isinstance(p.grad, DTensor) else p.grad
+             for n, p in model.named_parameters() if p.grad is not None}
+    return out.detach(), grads
+
+
+def _state_dict_checks(strategy: str, tokens: torch.Tensor) -> dict:
+    result = {}
+    start, target = _zoo(0), _zoo(1)
+    target_state = target.state_dict()
+    with torch.no_grad():
+        result["target_out"] = target(tokens)
+    model = graphshard.shard(_zoo(0), strategy=strategy)
+    storages = {n: p.to_local().data_ptr() for n, p in model.named_parameters()}
+
+    # Compiled (Inductor) before the load: the graph must read the loaded weights afterwards.
+    compiled = torch.compile(model, backend="graphshard")
+    with torch.no_grad():
+        result["compiled_before"] = compiled(tokens)
+        result["load"] = model.load_state_dict(target_state)
+        result["compiled_after"] = compiled(tokens)
+        result["eager_after"] = model(tokens)
+    result["full_after"] = _full_params(model)
+    result["in_place"] = storages == {n: p.to_local().data_ptr()
+                                      for n, p in model.named_parameters()}
+    result["leaves_bound"] = _leaves_bound(model)
+
+    # Strict and non-strict errors, as torch words them for the unsharded model.
+    bad = _bad_state(target_state)
+    result["strict_error"] = _error(lambda: model.load_state_dict(bad))
+    result["plain_strict_error"] = _error(lambda: start.load_state_dict(bad))
+    partial = {k: v for k, v in target_state.items() if k != "gate.bias"}
+    partial["extra"] = torch.zeros(1)
+    result["non_strict"] = model.load_state_dict(partial, strict=False)
+    result["plain_non_strict"] = _zoo(0).load_state_dict(partial, strict=False)
+
+    # A DTensor state dict (model.state_dict()) still loads, in place.
+    saved = {k: v.clone() for k, v in model.state_dict().items()}
+    result["state_dict_types"] = sorted({type(v).__name__ for k, v in saved.items()
+                                         if k != "offset"})
+    model.load_state_dict(start.state_dict())
+    model.load_state_dict(saved)
+    result["dtensor_reload"] = _full_params(model)
+    result["in_place_dtensor"] = storages == {n: p.to_local().data_ptr()
+                                              for n, p in model.named_parameters()}
+
+    # Full state dict out: on rank 0 only (CPU), or on every rank. README states its cost: DCP
+    # reads each parameter of a submodule through its gathering property twice (torch 2.13).
+    options = StateDictOptions(full_state_dict=True, cpu_offload=True)
+    with _counting_gathers() as gathers:
+        result["full_rank0"] = get_model_state_dict(model, options=options)
+    result["property_gathers"] = gathers[0]
+    result["full_all"] = get_model_state_dict(
+        model, options=StateDictOptions(full_state_dict=True))
+    # Full weights in from rank 0 only (other ranks pass {}).
+    model.load_state_dict(start.state_dict())
+    set_model_state_dict(model, target_state if torch.distributed.get_rank() == 0 else {},
+                         options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True))
+    result["from_rank0"] = _full_params(model)
+    result["in_place_from_rank0"] = storages == {n: p.to_local().data_ptr()
+                                                 for n, p in model.named_parameters()}
+    torch._dynamo.reset()
+    return result
+
+
+def _meta_checks(strategy: str, tokens: torch.Tensor) -> dict:
+    result = {}
+    model = graphshard.shard(_zoo(0, "meta"), strategy=strategy)
+    result["eager_error"] = _error(lambda: model(tokens))
+    compiled = torch.compile(model, backend="graphshard")
+    result["compiled_error"] = _error(lambda: compiled(tokens))
+    torch._dynamo.reset()
+    # Full weights assigned into the meta model materialise it, each rank keeping its part.
+    # (As in torch, assign=True unties tied weights: the reference is a meta Zoo assigned too.)
+    target = _zoo(1).state_dict()
+    result["assign"] = model.load_state_dict(target, assign=True)
+    result["assign_local_numels"] = {n: p.to_local().numel() for n, p in model.named_parameters()}
+    result["assign_leaves_bound"] = _leaves_bound(model)
+    result["assign_step"] = _eager_step(model, tokens)
+    reference = _zoo(0, "meta")
+    reference.load_state_dict(target, assign=True)
+    result["target_step"] = _eager_step(reference, tokens)
+    return result
+
+
+def _copy_checks(strategy: str, tokens: torch.Tensor, rank: int, directory: str) -> dict:
+    result = {}
+    model = graphshard.shard(_zoo(0), strategy=strategy,
+                             param_dtype=torch.float64 if strategy == "no_shard" else None)
+    shallow = copy.copy(model)
+    result["shallow_shares"] = all(
+        getattr(a, LOCALS_ATTR, None) == getattr(b, LOCALS_ATTR, None)
+        and a._parameters is b._parameters
+        for a, b in zip(model.modules(), shallow.modules()))
+    twin = copy.deepcopy(model)
+    result["twin_class_shared"] = all(type(a) is type(b) for a, b in
+                                      zip(model.modules(), twin.modules()))
+    result["twin_leaves_bound"] = _leaves_bound(twin)
+    result["twin_tied"] = getattr(twin.emb, LOCALS_ATTR)["weight"] is getattr(twin.head,
+                                                                           LOCALS_ATTR)["weight"]
+    result["twin_storage_own"] = all(
+        a.to_local().data_ptr() != b.to_local().data_ptr() or not a.to_local().numel()
+        for a, b in zip(model.parameters(), twin.parameters()))
+    result["twin_step"] = _eager_step(twin, tokens)
+    result["original_grads_after_twin"] = [n for n, p in model.named_parameters()
+                                           if p.grad is not None]
+    result["step"] = _eager_step(model, tokens)
+    for p in model.parameters():
+        p.grad = None
+
+    buffer = io.BytesIO()
+    torch.save(model, buffer)
+    buffer.seek(0)
+    again = torch.load(buffer, weights_only=False)
+    result["reloaded_leaves_bound"] = _leaves_bound(again)
+    result["reloaded_step"] = _eager_step(again, tokens)
+    # For a fresh process (tests/test_everyday.py::_reload): this rank's pickle, expectations
+    torch.save({"model": model, "step": result["step"]},
+               os.path.join(directory, f"{strategy}-rank{rank}.pt"))
+    return result
+
+
+def _wrapper_errors() -> dict:
+    from torch.distributed.fsdp import FullyShardedDataParallel, fully_shard
+    from torch.distributed.tensor import Shard, distribute_tensor
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.nn.parallel import DistributedDataParallel
+
+    errors = {}
+    errors["ddp"] = _error(lambda: graphshard.shard(DistributedDataParallel(nn.Linear(4, 4))))
+    nested = nn.Sequential(nn.Linear(4, 4), DistributedDataParallel(nn.Linear(4, 4)))
+    errors["ddp_nested"] = _error(lambda: graphshard.shard(nested))
+    errors["fsdp2"] = _error(lambda: graphshard.shard(fully_shard(nn.Linear(4, 4))))
+    # FSDP1 cannot be built without an accelerator: an instance as far as isinstance goes.
+    fsdp1 = FullyShardedDataParallel.__new__(FullyShardedDataParallel)
+    nn.Module.__init__(fsdp1)
+    errors["fsdp1"] = _error(lambda: graphshard.shard(fsdp1))
+    tp = nn.Linear(4, 4)
+    tp.weight = nn.Parameter(distribute_tensor(tp.weight.detach(), init_device_mesh("cpu", (2,)),
+                                               [Shard(1)]))
+    errors["dtensor"] = _error(lambda: graphshard.shard(tp))
+    sharded = graphshard.shard(nn.Sequential(nn.Linear(4, 4)))
+    errors["twice"] = _error(lambda: graphshard.shard(sharded[0]))
+    return errors
+
+
+def _everyday(rank: int, world: int, directory: str) -> dict:
+    tokens = zoo_batch(4)
+    results = {"wrappers": _wrapper_errors()}
+    for strategy in STRATEGIES:
+        results[strategy] = {**_state_dict_checks(strategy, tokens),
+                             **_meta_checks(strategy, tokens),
+                             **_copy_checks(strategy, tokens, rank, directory)}
+    return results
+
+
+def _reload(rank: int, world: int, directory: str) -> dict:
+    """In a fresh process group: load this rank's pickled model and take a step with it."""
+    tokens = zoo_batch(4)
+    results = {}
+    for strategy in STRATEGIES:
+        saved = torch.load(os.path.join(directory, f"{strategy}-rank{rank}.pt"),
+                           weights_only=False)
+        model = saved["model"]
+        results[strategy] = {
+            "class": type(model.block) is _sharded_class(nn.Linear, ("bias", "weight")),
+            "leaves_bound": _leaves_bound(model),
+            "step": _eager_step(model, tokens),
+            "expected": saved["step"],
+        }
+    return results
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    directory = str(tmp_path_factory.mktemp("everyday"))
+    first = run_local(_everyday, 2, directory)
+    return first, run_local(_reload, 2, directory)
+
+
+def _each(runs):
+    for rank, result in enumerate(runs[0]):
+        for strategy in STRATEGIES:
+            yield rank, strategy, result[strategy]
+
+
+def _steps_match(a, b) -> bool:
+    (out_a, grads_a), (out_b, grads_b) = a, b
+    return _same(out_a, out_b) and grads_a.keys() == grads_b.keys() and all(
+        _same(grads_a[n], grads_b[n]) for n in grads_a)
+
+
+def test_full_state_dict_loads_in_place_and_the_compiled_model_reads_it(runs):
+    target = _zoo(1).state_dict()
+    for rank, strategy, r in _each(runs):
+        where = (rank, strategy)
+        assert r["load"].missing_keys == [] and r["load"].unexpected_keys == [], where
+        assert r["in_place"] and r["leaves_bound"], where
+        for name, value in r["full_after"].items():
+            assert _same(value, target[name]), (where, name)
+        assert _same(r["eager_after"], r["target_out"]), where
+        assert _same(r["compiled_after"], r["target_out"]), where
+        assert not _same(r["compiled_before"], r["target_out"]), where
+
+
+def test_bad_keys_are_named_as_torch_names_them(runs):
+    for rank, strategy, r in _each(runs):
+        where = (rank, strategy)
+        message = r["strict_error"]
+        assert 'Missing key(s) in state_dict: "block.bias"' in message, where
+        assert 'Unexpected key(s) in state_dict: "extra.weight"' in message, where
+        assert "size mismatch for gate.weight: copying a param with shape torch.Size([2, 6])" \
+            in message, where
+        assert message.replace("ShardedZoo", "Zoo") == r["plain_strict_error"], where
+        assert r["non_strict"] == r["plain_non_strict"], where
+        assert r["non_strict"].missing_keys == ["gate.bias"], where
+
+
+def test_dtensor_state_dict_round_trips(runs):
+    for rank, strategy, r in _each(runs):
+        assert r["state_dict_types"] == ["DTensor"], (rank, strategy)
+        assert r["in_place_dtensor"], (rank, strategy)
+        for name, value in r["dtensor_reload"].items():
+            assert _same(value, r["full_after"][name]), (rank, strategy, name)
+
+
+def test_full_state_dict_out_on_rank0_or_everywhere(runs):
+    target = _zoo(1).state_dict()
+    for rank, strategy, r in _each(runs):
+        where = (rank, strategy)
+        for full in ([r["full_rank0"]] if rank == 0 else []) + [r["full_all"]]:
+            assert full.keys() == target.keys(), where
+            for name, value in full.items():
+                assert type(value) is torch.Tensor and _same(value, target[name]), (where, name)
+        if rank != 0:
+            assert r["full_rank0"] == {}, where
+        in_submodules = [k for k in target if "." in k]  # the 8 parameter slots of submodules
+        assert r["property_gathers"] == 2 * len(in_submodules), where
+
+
+def test_full_state_dict_in_from_rank0(runs):
+    target = _zoo(1).state_dict()
+    for rank, strategy, r in _each(runs):
+        assert r["in_place_from_rank0"], (rank, strategy)
+        for name, value in r["from_rank0"].items():
+            assert _same(value, target[name]), (rank, strategy, name)
+
+
+def test_meta_model_never_materialised_names_parameters_and_materialize(runs):
+    for rank, strategy, r in _each(runs):
+        for key in ("eager_error", "compiled_error"):
+            message = r[key]
+            assert message.startswith("RuntimeError: graphshard: parameter(s) emb.weight are "
+                                      "still on the meta device"), (rank, strategy, key, message)
+            assert "graphshard.materialize(model)" in message, (rank, strategy, key)
+
+
+def test_full_weights_assigned_into_a_meta_model(runs):
+    for rank, strategy, r in _each(runs):
+        where = (rank, strategy)
+        assert r["assign"].missing_keys == [] and r["assign"].unexpected_keys == [], where
+        assert r["assign_leaves_bound"], where
+        # each rank holds only its part: 11 embedding rows at world size 2 -> 6 or 5
+        expected_rows = 11 if strategy == "no_shard" else (6, 5)[rank]
+        assert r["assign_local_numels"]["emb.weight"] == expected_rows * 6, where
+        assert _steps_match(r["assign_step"], r["target_step"]), where
+
+
+def test_deepcopy_is_independent(runs):
+    for rank, strategy, r in _each(runs):
+        where = (rank, strategy)
+        assert r["shallow_shares"], where
+        assert r["twin_class_shared"] and r["twin_leaves_bound"] and r["twin_tied"], where
+        assert r["twin_storage_own"], where
+        assert r["original_grads_after_twin"] == [], where  # the twin's grads stay its own
+        assert _steps_match(r["twin_step"], r["step"]), where
+
+
+def test_pickled_model_loads_and_trains(runs):
+    for rank, strategy, r in _each(runs):
+        assert r["reloaded_leaves_bound"], (rank, strategy)
+        assert _steps_match(r["reloaded_step"], r["step"]), (rank, strategy)
+    for rank, result in enumerate(runs[1]):
+        for strategy in STRATEGIES:
+            r = result[strategy]
+            assert r["class"] and r["leaves_bound"], (rank, strategy)
+            assert _steps_match(r["step"], r["expected"]), (rank, strategy)
+
+
+def test_wrapped_or_foreign_sharded_models_are_refused(runs):
+    for errors in (result["wrappers"] for result in runs[0]):
+        assert errors["ddp"].startswith("ValueError: graphshard.shard: the model "
+                                        "(DistributedDataParallel) is wrapped in "
+                                        "DistributedDataParallel"), errors["ddp"]
+        assert "graphshard.shard(ddp_model.module)" in errors["ddp"]
+        assert "submodule '1' (DistributedDataParallel)" in errors["ddp_nested"]
+        assert "already sharded by FSDP2's fully_shard" in errors["fsdp2"], errors["fsdp2"]
+        assert "wrapped in FullyShardedDataParallel (FSDP1)" in errors["fsdp1"], errors["fsdp1"]
+        assert "parameter 'weight' is already a DTensor ((Shard(dim=1),)" in errors["dtensor"]
+        assert "already sharded by graphshard" in errors["twice"], errors["twice"]
+
+
+def test_unknown_backend_option_is_the_first_line(fake_pg):
+    model = graphshard.shard(nn.Linear(4, 4))
+    compiled = torch.compile(model, backend="graphshard", options={"bucket": 1})
+    with pytest.raises(ValueError) as info:
+        compiled(torch.randn(2, 4))
+    first_line = str(info.value).splitlines()[0]
+    assert first_line.startswith("unknown graphshard option(s) ['bucket']; valid options: "
+                                 "bucket_mb"), first_line
+    torch._dynamo.reset()
