@@ -3,7 +3,10 @@ and kept apart from the test module so spawned ranks do not import pytest)."""
 
 from __future__ import annotations
 
+import contextlib
+import gc
 import os
+import time
 from pathlib import Path
 from typing import Any
 
@@ -36,7 +39,7 @@ def global_batch(step: int) -> torch.Tensor:
                          generator=torch.Generator().manual_seed(100 + step))
 
 
-def train(model, optimizer, start: int, stop: int) -> list[float]:
+def train(model, optimizer, start: int, stop: int, after_backward=None) -> list[float]:
     """Data-parallel steps over a fixed global batch; returns the global mean losses."""
     rank, world = (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
     losses = []
@@ -45,6 +48,8 @@ def train(model, optimizer, start: int, stop: int) -> list[float]:
         loss = zoo_loss(model(tokens), tokens)
         optimizer.zero_grad()
         loss.backward()
+        if after_backward is not None:
+            after_backward(model)
         optimizer.step()
         total = loss.detach().clone()
         if dist.is_initialized():
@@ -144,4 +149,221 @@ def resume_plain_dcp(rank: int, world: int, root: str, single: str) -> dict[str,
         checkpoint.load(Path(root) / "missing", model, optimizer)
     except checkpoint.CheckpointNotFoundError as exc:
         result["missing_error"] = str(exc)
+    return result
+
+
+# --------------------------------------------------------------------------- one group, many checks
+
+
+def run_checks(rank: int, world: int, checks: list[tuple[str, tuple]]) -> dict[str, Any]:
+    """Run several checks of this module in one process group: {check name: its result}."""
+    return {name: globals()[name](rank, world, *args) for name, args in checks}
+
+
+# --------------------------------------------------------------------------- FSDP2 interop
+
+
+def make_fsdp2(seed: int) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
+    """The same model and optimizer under FSDP2. FSDP2 cannot shard a 0-dim parameter: `scale`
+    is left to the user (ignored_params), who averages its gradient (`average_scale_grad`)."""
+    from torch.distributed.fsdp import fully_shard
+
+    torch.manual_seed(seed)
+    model = Zoo(vocab=VOCAB)
+    fully_shard(model, ignored_params={model.scale})
+    params = [p for p in model.parameters() if p.requires_grad]
+    return model, torch.optim.AdamW(params, lr=0.02, weight_decay=0.01)
+
+
+def average_scale_grad(model) -> None:
+    dist.all_reduce(model.scale.grad)
+    model.scale.grad /= dist.get_world_size()
+
+
+def fsdp2_interop(rank: int, world: int, root: str) -> dict[str, Any]:
+    """FSDP2 resumes graphshard's world-size-4 checkpoint with the standard calls and trains on;
+    then an FSDP2 run saves at SAVE_STEP (the standard calls), for graphshard to resume."""
+    model, optimizer = make_fsdp2(seed=1000 + rank)
+    model_sd, optim_sd = get_state_dict(model, optimizer)
+    dcp.load({"model": model_sd, "optim": optim_sd}, checkpoint_id=Path(root) / "ckpt")
+    set_state_dict(model, optimizer, model_state_dict=model_sd, optim_state_dict=optim_sd)
+    result: dict[str, Any] = {
+        "losses": train(model, optimizer, SAVE_STEP, LAST_STEP, average_scale_grad),
+        "final": full_state(model)}
+
+    model, optimizer = make_fsdp2(seed=0)
+    result["fsdp2_losses"] = train(model, optimizer, 0, SAVE_STEP, average_scale_grad)
+    model_sd, optim_sd = get_state_dict(model, optimizer)
+    dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=Path(root) / "fsdp2")
+    result["fsdp2_at_save"] = full_state(model)
+    return result
+
+
+def resume_fsdp2(rank: int, world: int, root: str) -> dict[str, Any]:
+    """graphshard resumes the FSDP2 run (saved at world size 2) with checkpoint.load; and a plain
+    dcp.save of model.state_dict() (the root layout) loads back with checkpoint.load."""
+    model, optimizer = make(seed=1000 + rank)
+    info = checkpoint.load(Path(root) / "fsdp2", model, optimizer)
+    result: dict[str, Any] = {"info": (info.format, info.step, info.world_size, info.rng_restored),
+                              "at_load": full_state(model),
+                              "losses": train(model, optimizer, SAVE_STEP, LAST_STEP),
+                              "final": full_state(model)}
+    root_layout = Path(root) / "plain-root-3"
+    dcp.save(model.state_dict(), checkpoint_id=root_layout)
+    model2, optimizer2 = make(seed=7)
+    result["root_format"] = checkpoint.load(root_layout, model2).format
+    result["root_reloaded"] = full_state(model2)
+    try:
+        checkpoint.load(root_layout, model2, optimizer2)
+    except checkpoint.CheckpointError as exc:
+        result["root_optimizer_error"] = str(exc)
+    return result
+
+
+# --------------------------------------------------------------------------- async save
+
+
+@contextlib.contextmanager
+def _writes(replace):
+    """FileSystemWriter.write_data replaced by `replace(original, self, plan, planner)`."""
+    original = FileSystemWriter.write_data
+    FileSystemWriter.write_data = lambda self, plan, planner: replace(original, self, plan, planner)
+    try:
+        yield
+    finally:
+        FileSystemWriter.write_data = original
+
+
+def _late(original, self, plan, planner):
+    time.sleep(2.0)  # this rank's shards reach the disk late: the save stays in flight
+    return original(self, plan, planner)
+
+
+def _failing(original, self, plan, planner):
+    raise RuntimeError("injected async write failure")
+
+
+def async_save(rank: int, world: int, root: str) -> dict[str, Any]:
+    """An asynchronous save returns at once, training goes on, and the checkpoint appears only
+    when every rank's write finished (rank 1 writes 2 s late); it holds the state at save time."""
+    path = Path(root) / "async"
+    model, optimizer = make(seed=0)
+    losses = train(model, optimizer, 0, SAVE_STEP)
+    at_save = full_state(model)
+    with _writes(_late if rank == 1 else lambda original, *args: original(*args)):
+        start = time.perf_counter()
+        handle = checkpoint.save(path, model, optimizer, step=SAVE_STEP, asynchronous=True)
+        returned_s = time.perf_counter() - start
+        losses += train(model, optimizer, SAVE_STEP, LAST_STEP)  # updates weights in place
+        result: dict[str, Any] = {"returned_s": returned_s, "losses": losses,
+                                  "pending_after_training": not handle.done(),
+                                  "exists_after_training": path.exists()}
+        dist.barrier()
+        result["path"] = str(handle.result())
+    result["elapsed_s"] = time.perf_counter() - start
+    result["manifest"] = (path / checkpoint.MANIFEST).is_file()
+    model2, optimizer2 = make(seed=5)
+    info = checkpoint.load(path, model2, optimizer2)
+    result["step"] = info.step
+    result["reloaded"] = full_state(model2)
+    result["at_save"] = at_save
+    result["reloaded_losses"] = train(model2, optimizer2, SAVE_STEP, LAST_STEP)
+
+    # A write that fails on rank 1: result() raises on every rank; the checkpoint is intact.
+    with _writes(_failing if rank == 1 else lambda original, *args: original(*args)):
+        handle = checkpoint.save(path, model, optimizer, step=LAST_STEP, asynchronous=True)
+        try:
+            handle.result()
+        except checkpoint.CheckpointError as exc:
+            result["failed"] = str(exc)
+    dist.barrier()
+    result["after_failure"] = sorted(os.listdir(root))
+    result["step_after_failure"] = checkpoint.load(path, model2).step
+    return result
+
+
+def save_bench(rank: int, world: int, directory: str) -> dict[str, Any]:
+    """A tiny run of bench/checkpoint_save.py's measurement (every step saves)."""
+    from bench.checkpoint_save import SaveBenchConfig, measure
+
+    cfg = SaveBenchConfig(model_args=(("dim", 32), ("n_layers", 1)), steps=2, every=1,
+                          repeats=1, warmup=1)
+    return measure(rank, world, cfg, directory)
+
+
+# --------------------------------------------------------------------------- pretrained weights
+
+
+def stack(layers: int, dim: int) -> torch.nn.Module:
+    return torch.nn.Sequential(*[torch.nn.Linear(dim, dim) for _ in range(layers)])
+
+
+def _status_mib(field: str) -> float:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith(field + ":"):
+                return int(line.split()[1]) / 1024
+    raise KeyError(field)
+
+
+def pretrained_memory(rank: int, world: int, file: str, layers: int, dim: int) -> dict | None:
+    """Peak host memory (resident set) of load_pretrained into a meta-built sharded model."""
+    with torch.device("meta"):
+        model = stack(layers, dim)
+    graphshard.shard(model)
+    gc.collect()
+    try:  # reset the kernel's peak-RSS counter (VmHWM), Linux >= 4.0
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+    except OSError:
+        return None
+    before = _status_mib("VmRSS")
+    checkpoint.load_pretrained(model, file)
+    peak = _status_mib("VmHWM") - before
+    # The loaded model runs compiled (before any eager use) as it does eagerly.
+    x = torch.randn(2, dim, generator=torch.Generator().manual_seed(0))
+    compiled = torch.compile(model, backend="graphshard", options={"compiler": "eager"})
+    with torch.no_grad():
+        compiled_matches = torch.allclose(compiled(x), model(x), atol=1e-6, rtol=0)
+    shard_mib = sum(p.to_local().numel() * p.element_size() for p in model.parameters()) / 2**20
+    sums = {n: p.to_local().double().sum().item() for n, p in model.named_parameters()}
+    # Into the now materialised shards, in place, over other values.
+    params = list(model.parameters())
+    with torch.no_grad():
+        for p in params:
+            p.to_local().zero_()
+    checkpoint.load_pretrained(model, file)
+    in_place = all(p is q for p, q in zip(model.parameters(), params)) and sums == {
+        n: p.to_local().double().sum().item() for n, p in model.named_parameters()}
+    return {"peak_mib": peak, "shard_mib": shard_mib, "sums": sums, "in_place": in_place,
+            "compiled_matches": compiled_matches}
+
+
+def llama_round_trip(rank: int, world: int, pretrained: str, tokens: torch.Tensor,
+                     save_to: str | None) -> dict[str, Any]:
+    """A Hugging Face Llama built on the meta device, sharded, load_pretrained: its outputs and
+    first training step (AdamW, data parallel over `tokens`) as the unsharded original's."""
+    from transformers import AutoConfig, LlamaForCausalLM
+
+    config = AutoConfig.from_pretrained(pretrained)
+    with torch.device("meta"):
+        model = LlamaForCausalLM(config)
+    graphshard.shard(model)
+    names = checkpoint.load_pretrained(model, pretrained, init_fn=model._init_weights)
+    with torch.no_grad():
+        logits = model(tokens).logits
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    local = tokens.chunk(world)[rank]
+    loss = model(input_ids=local, labels=local).loss
+    loss.backward()
+    grads = {n: p.grad.full_tensor() for n, p in model.named_parameters()}
+    optimizer.step()
+    total = loss.detach().clone()
+    dist.all_reduce(total)
+    result = {"names": names, "logits": logits, "loss": total.item() / world, "grads": grads,
+              "after_step": full_state(model),
+              "tied": model.lm_head._parameters["weight"]
+              is model.model.embed_tokens._parameters["weight"]}
+    if save_to is not None:
+        checkpoint.save(save_to, model, optimizer, step=1)
     return result

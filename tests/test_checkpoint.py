@@ -1,12 +1,16 @@
 """Checkpoints: save at world size 4, resume at 2, 3 and 1 exactly as the uninterrupted run,
-an interrupted save, export to safetensors, and clear errors for bad input.
+an interrupted save, checkpoints of plain DCP and FSDP2 in and out, asynchronous save, export to
+safetensors (one file, Hugging Face's layout), pretrained safetensors weights into a sharded
+model (outputs, first step, memory), and clear errors for bad input.
 
-One gloo run per world size; the world-size-4 reference run and its checkpoint are shared by
-every test through a module-scoped fixture.
+A few gloo runs, each shared by several tests through module-scoped fixtures: the
+world-size-4 reference run and its checkpoint, one world-size-2 run and one world-size-3 run
+that each carry out several checks in one process group (ckpt_workers.run_checks).
 """
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import shutil
 import struct
@@ -30,6 +34,96 @@ def saved(tmp_path_factory):
     root = tmp_path_factory.mktemp("ckpt")
     results = run_local(workers.reference, 4, str(root))
     return root, results
+
+
+# The large model load_pretrained's memory is measured on: 32 x Linear(1024, 1024), 128 MiB in
+# fp32; 64 MiB per rank at world size 2, the largest tensor 4 MiB.
+BIG_LAYERS, BIG_DIM = 32, 1024
+
+
+@pytest.fixture(scope="module")
+def hf(tmp_path_factory):
+    """Tiny Hugging Face Llamas saved with save_pretrained (tied embeddings in one file;
+    untied, sharded with an index), and the unsharded originals' outputs and first step.
+    None without transformers: only the tests that need it are skipped."""
+    if importlib.util.find_spec("transformers") is None:
+        return None
+    root = tmp_path_factory.mktemp("hf")
+    tokens = torch.randint(0, 64, (6, 8), generator=torch.Generator().manual_seed(3))
+    return {"tokens": tokens,
+            "tied": _pretrained_llama(root / "tied", tokens, tied=True, max_shard_size="5GB"),
+            "untied": _pretrained_llama(root / "untied", tokens, tied=False,
+                                        max_shard_size="30KB")}
+
+
+def _needs(hf) -> None:
+    if hf is None:
+        pytest.skip("needs transformers (pip install graphshard[test])")
+
+
+def _llama(tied: bool, seed: int = 0) -> nn.Module:
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64,
+                         num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                         max_position_embeddings=32, tie_word_embeddings=tied)
+    torch.manual_seed(seed)
+    return LlamaForCausalLM(config)
+
+
+def _pretrained_llama(path, tokens, tied: bool, max_shard_size: str) -> dict:
+    model = _llama(tied)
+    model.save_pretrained(path, max_shard_size=max_shard_size)
+    with torch.no_grad():
+        logits = model(tokens).logits
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    loss = model(input_ids=tokens, labels=tokens).loss
+    loss.backward()
+    grads = {n: p.grad.clone() for n, p in model.named_parameters()}
+    optimizer.step()
+    return {"path": path, "logits": logits, "loss": loss.item(), "grads": grads,
+            "after_step": {k: v.clone() for k, v in model.state_dict().items()}}
+
+
+@pytest.fixture(scope="module")
+def ws2(saved, hf, tmp_path_factory):
+    """One world-size-2 run for: load_pretrained's memory (first, in a fresh process), FSDP2
+    interop, async save, the tied Llama round trip (saved again as a checkpoint) and a tiny
+    run of the sync/async save benchmark."""
+    from safetensors.torch import save_file
+
+    root = saved[0]
+    big = tmp_path_factory.mktemp("big") / "stack.safetensors"
+    torch.manual_seed(0)
+    with torch.device("meta"):
+        shapes = {k: v.shape for k, v in workers.stack(BIG_LAYERS, BIG_DIM).state_dict().items()}
+    save_file({k: torch.randn(shape) * BIG_DIM**-0.5 for k, shape in shapes.items()}, str(big))
+    checks = [("pretrained_memory", (str(big), BIG_LAYERS, BIG_DIM)),
+              ("fsdp2_interop", (str(root),)),
+              ("async_save", (str(root),)),
+              ("save_bench", (str(tmp_path_factory.mktemp("bench")),))]
+    if hf is not None:
+        checks.append(("llama_round_trip", (str(hf["tied"]["path"]), hf["tokens"],
+                                            str(root / "llama-ckpt"))))
+    return run_local(workers.run_checks, 2, checks), big
+
+
+@pytest.fixture(scope="module")
+def ws3(saved, ws2, hf, tmp_path_factory):
+    """One world-size-3 run for: resuming with the standard DCP calls, resuming the FSDP2 run
+    with checkpoint.load, and the untied, sharded Llama round trip."""
+    root = saved[0]
+    # A checkpoint of one unsharded process, to load sharded over 3 ranks.
+    single = tmp_path_factory.mktemp("single") / "single"
+    model, optimizer = workers.make(seed=11, sharded=False)
+    workers.train(model, optimizer, 0, 1)
+    rng_state = torch.get_rng_state()
+    checkpoint.save(single, model, optimizer, step=1)
+    checks = [("resume_plain_dcp", (str(root), str(single))),
+              ("resume_fsdp2", (str(root),))]
+    if hf is not None:
+        checks.append(("llama_round_trip", (str(hf["untied"]["path"]), hf["tokens"], None)))
+    return run_local(workers.run_checks, 3, checks), model.state_dict(), rng_state
 
 
 def _assert_state_close(actual: dict, expected: dict) -> None:
@@ -85,21 +179,17 @@ def test_resume_at_2_with_interrupted_save(saved):
     _assert_state_close(results[0]["reloaded"], ref[0]["at_save"])
 
 
-def test_resume_at_3_with_standard_dcp_calls(saved, tmp_path):
+def test_resume_at_3_with_standard_dcp_calls(saved, ws3):
     root, ref = saved
-    # Also a checkpoint of one unsharded process, to load sharded over 3 ranks: ranks 1 and 2
-    # have no saved RNG state and derive theirs.
-    model, optimizer = workers.make(seed=11, sharded=False)
-    workers.train(model, optimizer, 0, 1)
-    rng_state = torch.get_rng_state()
-    checkpoint.save(tmp_path / "single", model, optimizer, step=1)
-
-    results = run_local(workers.resume_plain_dcp, 3, str(root), str(tmp_path / "single"))
+    results, single_state, rng_state = ws3
+    results = [r["resume_plain_dcp"] for r in results]
     _assert_continues(results, ref[0])
     _assert_state_close(results[0]["plain_reloaded"], results[0]["final"])
     assert results[0]["plain_next_loss"] == results[0]["next_loss"]  # optimizer state too
 
-    _assert_state_close(results[0]["single_state"], model.state_dict())
+    # One unsharded process's checkpoint loaded sharded over 3 ranks: ranks 1 and 2 have no
+    # saved RNG state and derive theirs.
+    _assert_state_close(results[0]["single_state"], single_state)
     assert [r["single_rng"] for r in results] == ["saved", "derived", "derived"]
     torch.set_rng_state(rng_state)
     expected = [torch.rand(4)]
@@ -152,6 +242,138 @@ def test_derived_rng_for_ranks_the_checkpoint_lacks():
     assert seeds == [checkpoint.derived_seed(state.clone(), rank) for rank in range(8)]
 
 
+# --------------------------------------------------------------------------- other DCP checkpoints
+
+
+def test_graphshard_checkpoint_resumed_by_fsdp2(saved, ws2):
+    # graphshard at world size 4 -> FSDP2 at 2, with the standard DCP calls, optimizer included.
+    root, ref = saved
+    results = [r["fsdp2_interop"] for r in ws2[0]]
+    _assert_continues(results, ref[0])
+
+
+def test_fsdp2_checkpoint_resumed_by_graphshard(saved, ws2, ws3):
+    # FSDP2 at world size 2 -> graphshard at 3 with checkpoint.load (no marker needed): the
+    # FSDP2 run matched graphshard's up to the save, and the resumed run goes on as both would.
+    root, ref = saved
+    fsdp2 = ws2[0][0]["fsdp2_interop"]
+    torch.testing.assert_close(torch.tensor(fsdp2["fsdp2_losses"]),
+                               torch.tensor(ref[0]["losses"][:workers.SAVE_STEP]), **TOL)
+    results = [r["resume_fsdp2"] for r in ws3[0]]
+    assert results[0]["info"] == ("dcp", None, None, "none")
+    _assert_state_close(results[0]["at_load"], fsdp2["fsdp2_at_save"])
+    _assert_continues(results, ref[0])
+
+
+def test_plain_dcp_checkpoints_load_and_export(saved, ws2, ws3, tmp_path):
+    from safetensors.torch import load_file
+
+    root, ref = saved
+    resumed = ws3[0][0]["resume_fsdp2"]
+    # dcp.save(model.state_dict()): the state dict at the root, no optimizer.
+    assert resumed["root_format"] == "dcp"
+    _assert_state_close(resumed["root_reloaded"], resumed["final"])
+    assert "has no optimizer state" in resumed["root_optimizer_error"]
+    # {"model", "optim"} saved with the standard calls at world size 3, into one process.
+    plain = ws3[0][0]["resume_plain_dcp"]
+    model, optimizer = workers.make(seed=8, sharded=False)
+    info = checkpoint.load(root / "plain-dcp-3", model, optimizer)
+    assert (info.format, info.step, info.world_size) == ("dcp", None, None)
+    _assert_state_close(workers.full_state(model), plain["final"])
+    torch.testing.assert_close(
+        torch.tensor(workers.train(model, optimizer, workers.LAST_STEP, workers.LAST_STEP + 1)),
+        torch.tensor(plain["next_loss"]), **TOL)
+    # Export takes any of them.
+    fsdp2 = ws2[0][0]["fsdp2_interop"]["fsdp2_at_save"]
+    for name, expected in [("plain-root-3", resumed["final"]), ("plain-dcp-3", plain["final"]),
+                           ("fsdp2", fsdp2)]:
+        out = tmp_path / f"{name}.safetensors"
+        assert cli_main(["export", str(root / name), str(out)]) == 0
+        _assert_state_close(dict(sorted(load_file(out).items())), dict(sorted(expected.items())))
+
+
+class _Wrapper(nn.Module):
+    """A model whose own keys start with "model." (as Hugging Face models' do)."""
+
+    def __init__(self):
+        super().__init__()
+        self.model = _plain_zoo()
+
+
+@pytest.mark.parametrize("nested", [False, True])
+def test_root_and_nested_layouts_are_told_apart(tmp_path, nested):
+    import torch.distributed.checkpoint as dcp
+
+    source = _Wrapper()
+    state = source.state_dict()
+    dcp.save({"model": state} if nested else state, checkpoint_id=tmp_path / "c", no_dist=True)
+    target = _Wrapper()
+    with torch.no_grad():
+        for p in target.parameters():
+            p.zero_()
+    checkpoint.load(tmp_path / "c", target)
+    _assert_state_close(target.state_dict(), state)
+    assert checkpoint.export(tmp_path / "c", tmp_path / "w.safetensors") == list(state)
+
+
+def test_unfinished_graphshard_save_is_incomplete_but_plain_dcp_is_not(saved, tmp_path):
+    # The marker guards graphshard's own saves: without it a directory holding graphshard.*
+    # entries is an interrupted save, while a plain DCP checkpoint is complete with .metadata.
+    partial = tmp_path / "partial"
+    shutil.copytree(saved[0] / "ckpt", partial)
+    (partial / checkpoint.MANIFEST).unlink()
+    with pytest.raises(checkpoint.IncompleteCheckpointError, match="no graphshard.json"):
+        checkpoint.export(partial, tmp_path / "o.safetensors")
+    assert checkpoint.load(saved[0] / "plain-dcp-3", _plain_zoo()).format == "dcp"
+
+
+# --------------------------------------------------------------------------- async save
+
+
+def test_async_save_returns_at_once_and_commits_when_every_rank_wrote(saved, ws2):
+    root, ref = saved
+    results = [r["async_save"] for r in ws2[0]]
+    for result in results:
+        # Rank 1's write took 2 s; save() returned long before, and training went on.
+        assert result["returned_s"] < 1.5, result["returned_s"]
+        assert result["pending_after_training"] and not result["exists_after_training"]
+        assert result["elapsed_s"] >= 2.0
+        assert result["manifest"] and result["step"] == workers.SAVE_STEP
+        torch.testing.assert_close(torch.tensor(result["losses"]),
+                                   torch.tensor(ref[0]["losses"]), **TOL)
+        # It holds the state at save time, not the weights training changed afterwards.
+        _assert_state_close(result["reloaded"], result["at_save"])
+        torch.testing.assert_close(torch.tensor(result["reloaded_losses"]),
+                                   torch.tensor(ref[0]["losses"][workers.SAVE_STEP:]), **TOL)
+        # A write failing on rank 1 fails on every rank and leaves the checkpoint intact.
+        assert "rank 1" in result["failed"] and "injected async write failure" in result["failed"]
+        assert _leftovers(result["after_failure"]) == []
+        assert result["step_after_failure"] == workers.SAVE_STEP
+    _assert_state_close(results[0]["at_save"], ref[0]["at_save"])
+
+
+def test_async_save_without_process_group(tmp_path):
+    model, optimizer = workers.make(seed=3, sharded=False)
+    workers.train(model, optimizer, 0, 1)
+    at_save = workers.full_state(model)
+    handle = checkpoint.save(tmp_path / "c", model, optimizer, step=1, asynchronous=True)
+    workers.train(model, optimizer, 1, 2)
+    assert handle.result() == tmp_path / "c" and handle.done()
+    model2, optimizer2 = workers.make(seed=4, sharded=False)
+    assert checkpoint.load(tmp_path / "c", model2, optimizer2).step == 1
+    _assert_state_close(workers.full_state(model2), at_save)
+
+
+def test_save_benchmark_runs(ws2):
+    from bench.checkpoint_save import MODES, summarize
+
+    result = ws2[0][0]["save_bench"]
+    assert set(result["times"]) == set(MODES) and all(len(t) == 2 for t in result["times"].values())
+    assert result["saved"]["none"] == [False, False] and result["saved"]["async"] == [True, True]
+    summary = summarize(result)
+    assert summary["async"]["final_wait_ms"] >= 0 and summary["sync"]["save_step_ms"] > 0
+
+
 # --------------------------------------------------------------------------- export
 
 
@@ -174,6 +396,164 @@ def test_export_round_trips_into_unsharded_model(saved, tmp_path, capsys):
     assert (tmp_path / "again.safetensors").read_bytes() == out.read_bytes()
     header_len = struct.unpack("<Q", out.read_bytes()[:8])[0]
     assert header_len % 8 == 0
+
+
+def test_export_to_hugging_face_layout(saved, hf, ws2, tmp_path, capsys):
+    _needs(hf)
+    # The tied Llama: pretrained -> load_pretrained at world size 2 -> one step -> save ->
+    # export as sharded files + index with its config -> transformers' from_pretrained.
+    from transformers import LlamaForCausalLM
+
+    root = saved[0]
+    trained = ws2[0][0]["llama_round_trip"]["after_step"]
+    out = tmp_path / "hf"
+    argv = ["export", str(root / "llama-ckpt"), str(out), "--max-shard-size", "30KB",
+            "--config", str(hf["tied"]["path"] / "config.json")]
+    assert cli_main(argv) == 0
+    assert f"wrote {len(trained)} tensors" in capsys.readouterr().out
+    files = sorted(p.name for p in out.iterdir())
+    shards = [f for f in files if f.startswith("model-")]
+    assert len(shards) > 1 and shards[0] == f"model-00001-of-{len(shards):05d}.safetensors"
+    assert files == sorted(shards + ["config.json", "model.safetensors.index.json"])
+    index = json.loads((out / "model.safetensors.index.json").read_text())
+    assert set(index["weight_map"]) == set(trained) and set(index["weight_map"].values()) == set(
+        shards)
+    assert index["metadata"]["total_size"] == sum(v.numel() * 4 for v in trained.values())
+    assert max((out / f).stat().st_size for f in shards) < 30_000 + 8_192  # a cap, + header
+
+    loaded = LlamaForCausalLM.from_pretrained(out)
+    assert loaded.config.tie_word_embeddings and loaded.lm_head.weight is \
+        loaded.model.embed_tokens.weight
+    _assert_state_close(dict(sorted(loaded.state_dict().items())), dict(sorted(trained.items())))
+
+    # Exporting again with everything in one file replaces the sharded files.
+    assert checkpoint.export(root / "llama-ckpt", out, max_shard_size="1GB") == list(trained)
+    assert sorted(p.name for p in out.iterdir()) == ["config.json", "model.safetensors"]
+    loaded = LlamaForCausalLM.from_pretrained(out)
+    _assert_state_close(dict(sorted(loaded.state_dict().items())), dict(sorted(trained.items())))
+
+
+# --------------------------------------------------------------------------- pretrained weights
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_load_pretrained_llama_matches_unsharded_original(hf, ws2, ws3, world):
+    _needs(hf)
+    # World size 2: tied embeddings, one file; 3: untied, sharded files with an index.
+    runs, expected = (ws2[0], hf["tied"]) if world == 2 else (ws3[0], hf["untied"])
+    results = [r["llama_round_trip"] for r in runs]
+    assert results[0]["tied"] == (world == 2)
+    assert sorted(results[0]["names"]) == sorted(
+        n for n in expected["after_step"] if not (world == 2 and n == "lm_head.weight"))
+    for result in results:
+        torch.testing.assert_close(result["logits"], expected["logits"], **TOL)
+    torch.testing.assert_close(results[0]["loss"], expected["loss"], **TOL)
+    _assert_state_close(dict(sorted(results[0]["grads"].items())),
+                        dict(sorted(expected["grads"].items())))
+    _assert_state_close(dict(sorted(results[0]["after_step"].items())),
+                        dict(sorted(expected["after_step"].items())))
+
+
+def test_load_pretrained_reads_only_this_ranks_rows(ws2):
+    from safetensors import safe_open
+
+    runs, big = ws2
+    memory = [r["pretrained_memory"] for r in runs]
+    if memory[0] is None:
+        pytest.skip("peak RSS cannot be reset here (/proc/self/clear_refs)")
+    model_mib = BIG_LAYERS * (BIG_DIM * BIG_DIM + BIG_DIM) * 4 / 2**20
+    largest_mib = BIG_DIM * BIG_DIM * 4 / 2**20
+    for m in memory:
+        assert m["in_place"]  # loading again into materialised shards
+        assert m["compiled_matches"]
+        assert m["shard_mib"] == pytest.approx(model_mib / 2)
+        # The rank's shard, plus at most one tensor and a little allocator noise (measured:
+        # 65.0 MiB for a 64.1 MiB shard); the whole model would be twice the shard.
+        assert m["peak_mib"] < m["shard_mib"] + largest_mib + 8, (m, model_mib)
+    with safe_open(str(big), "pt") as f:
+        for name in f.keys():
+            total = sum(m["sums"][name] for m in memory)
+            assert total == pytest.approx(f.get_tensor(name).double().sum().item(), abs=1e-6)
+
+
+def test_load_pretrained_into_unsharded_and_materialised_models(hf):
+    _needs(hf)
+    path = hf["untied"]["path"]
+    original = _llama(tied=False)
+    with torch.device("meta"):
+        meta = _llama(tied=False)
+    checkpoint.load_pretrained(meta, path, init_fn=meta._init_weights)
+    real = _llama(tied=False, seed=1)  # loaded in place, over other weights
+    params = {n: p for n, p in real.named_parameters()}
+    checkpoint.load_pretrained(real, path)
+    assert all(p is params[n] for n, p in real.named_parameters())
+    for model in (meta, real):
+        _assert_state_close(dict(sorted(model.state_dict().items())),
+                            dict(sorted(original.state_dict().items())))
+        _assert_state_close({k: v for k, v in model.named_buffers()},
+                            {k: v for k, v in original.named_buffers()})
+
+
+def test_load_pretrained_bad_input(hf, tmp_path):
+    _needs(hf)
+    from safetensors.torch import save_file
+
+    path = hf["untied"]["path"]
+    with torch.device("meta"):
+        model = _llama(tied=False)
+    with pytest.raises(checkpoint.CheckpointError, match="init_fn=model._init_weights"):
+        checkpoint.load_pretrained(model, path)  # rotary frequencies: computed, not saved
+    with pytest.raises(checkpoint.CheckpointError) as info:
+        checkpoint.load_pretrained(_plain_zoo(), hf["tied"]["path"])
+    message = str(info.value)
+    assert "missing" in message and "'emb.weight = head.weight'" in message
+    assert "unexpected" in message and "'model.norm.weight'" in message
+
+    state = _plain_zoo().state_dict()
+    state.pop("head.weight")  # tied: one name is enough
+    state["block.weight"] = torch.zeros(6, 7)
+    state["extra"] = torch.zeros(2)
+    save_file(state, str(tmp_path / "zoo.safetensors"))
+    with pytest.raises(checkpoint.CheckpointError) as info:
+        checkpoint.load_pretrained(_plain_zoo(), tmp_path / "zoo.safetensors")
+    message = str(info.value)
+    assert "block.weight: file (6, 7) vs model (6, 6)" in message
+    assert "unexpected (in the file, not in the model): ['extra']" in message
+    assert "missing" not in message
+
+    (tmp_path / "model.bin").write_bytes(b"x" * 16)
+    two = tmp_path / "two"
+    two.mkdir()
+    for name in ("a.safetensors", "b.safetensors"):
+        shutil.copy(tmp_path / "zoo.safetensors", two / name)
+    for bad, match in [(tmp_path / "nope", "does not exist"),
+                       (tmp_path / "model.bin", "pickle checkpoint"),
+                       (two, r"cannot tell which weights .*\(a.safetensors, b.safetensors\)")]:
+        with pytest.raises(checkpoint.CheckpointError, match=match):
+            checkpoint.load_pretrained(_plain_zoo(), bad)
+    (tmp_path / "bad.safetensors").write_bytes(struct.pack("<Q", 10**9) + b"{}")
+    with pytest.raises(checkpoint.CheckpointError, match="not a safetensors file"):
+        checkpoint.load_pretrained(_plain_zoo(), tmp_path / "bad.safetensors")
+
+
+def test_safetensors_reader_matches_the_reference_implementation(tmp_path):
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+
+    from graphshard import safetensors_io
+
+    tensors = {"f32": torch.randn(7, 3), "bf16": torch.randn(5, 2, 2).bfloat16(),
+               "i64": torch.arange(9).reshape(9, 1), "bool": torch.rand(4) > 0.5,
+               "f16": torch.randn(()).half(), "empty": torch.zeros(0, 4)}
+    save_file(tensors, str(tmp_path / "t.safetensors"))
+    infos = safetensors_io.resolve(tmp_path / "t.safetensors")
+    with safe_open(str(tmp_path / "t.safetensors"), "pt") as f:
+        for name, tensor in tensors.items():
+            assert torch.equal(safetensors_io.read(infos[name]), f.get_tensor(name))
+            if tensor.dim():
+                rows = (1, min(3, tensor.shape[0])) if tensor.shape[0] else (0, 0)
+                assert torch.equal(safetensors_io.read(infos[name], rows),
+                                   f.get_slice(name)[rows[0]:rows[1]])
 
 
 # --------------------------------------------------------------------------- bad input
@@ -200,6 +580,18 @@ def test_incomplete_checkpoint(saved, tmp_path, capsys, remove):
         checkpoint.load(partial, model, optimizer)
     assert cli_main(["export", str(partial), str(tmp_path / "o.safetensors")]) == 1
     assert "incomplete checkpoint" in capsys.readouterr().err
+
+
+def test_export_bad_options(saved, tmp_path, capsys):
+    ckpt = str(saved[0] / "ckpt")
+    for argv, message in [
+            ([str(tmp_path / "o.safetensors"), "--max-shard-size", "1GB"], "apply to a directory"),
+            ([str(tmp_path / "d"), "--max-shard-size", "lots"], "invalid size 'lots'"),
+            ([str(tmp_path / "d"), "--config", str(tmp_path / "none.json")], "config"),
+            ([str(tmp_path / "no" / "d")], "does not exist")]:
+        assert cli_main(["export", ckpt, *argv]) == 1
+        assert message in capsys.readouterr().err
+    assert list(tmp_path.iterdir()) == []  # nothing written
 
 
 class _OtherModel(Zoo):
