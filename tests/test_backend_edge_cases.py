@@ -1,4 +1,5 @@
-"""Backend edge cases found in review, checked on a 1-rank gloo group in this process."""
+"""Backend edge cases found in review, checked on a 1-rank gloo group in this process (or on 2
+local gloo processes where numerics need real collectives)."""
 
 from __future__ import annotations
 
@@ -7,12 +8,17 @@ import copy
 import pytest
 import torch
 import torch.distributed as dist
+import torch.fx as fx
 import torch.nn as nn
 from torch.utils.checkpoint import checkpoint
 
 import graphshard
 from graphshard.backend import GraphshardCompiler
+from graphshard.launch import run_local
 from graphshard.options import GraphshardOptions
+from passes.graph_utils import (
+    ALL_GATHER, ALL_REDUCE, REDUCE_SCATTER, collective_params, is_reduce_grad, is_unshard,
+)
 
 EAGER_PASSES = {"compiler": "eager"}
 
@@ -74,21 +80,82 @@ def test_a_no_grad_read_does_not_stand_in_for_a_read_that_needs_a_gradient(gloo1
 
 
 class AllCheckpointed(nn.Module):
+    """Every parameter is read only inside one checkpointed region: the Dynamo graph has no
+    marker outside the checkpoint body."""
+
     def __init__(self):
         super().__init__()
-        self.lin = nn.Linear(4, 4)
+        self.lin = nn.Linear(4, 3)  # 3 rows: uneven at world size 2
+        self.out = nn.Linear(3, 4)
+
+    def _body(self, x):
+        return self.out(torch.tanh(self.lin(x)))
 
     def forward(self, x):
-        return checkpoint(self.lin, x, use_reentrant=False).sum()
+        return checkpoint(self._body, x, use_reentrant=False).square().mean()
 
 
-def test_parameters_read_only_inside_a_checkpointed_region_still_go_through_the_pipeline(gloo1):
+CHECKPOINT_BATCH = torch.randn(4, 4, generator=torch.Generator().manual_seed(2))
+
+
+def _collectives(gm: fx.GraphModule) -> dict:
+    """{kind: sorted parameter names} of a lowered graph's collectives, and the markers left."""
+    kinds = {ALL_GATHER: "all_gather", REDUCE_SCATTER: "reduce_scatter", ALL_REDUCE: "all_reduce"}
+    found = {kind: [] for kind in kinds.values()}
+    found["markers"] = []
+    for module in gm.modules():
+        if isinstance(module, fx.GraphModule):
+            for node in module.graph.nodes:
+                if node.target in kinds:
+                    found[kinds[node.target]].extend(collective_params(node))
+                elif is_unshard(node) or is_reduce_grad(node):
+                    found["markers"].append(node.name)
+    return {kind: sorted(names) for kind, names in found.items()}
+
+
+def _checkpointed_step(rank: int, world: int):
+    """One compiled forward+backward of AllCheckpointed on this rank's half of the batch: the
+    Dynamo graph's markers per (sub)graph, the lowered graphs' collectives, the full grads."""
+    torch.manual_seed(0)
     model = graphshard.shard(AllCheckpointed())
-    stages = []
-    backend = GraphshardCompiler(GraphshardOptions(compiler="eager"),
-                                 lambda kind, stage, gm: stages.append((kind, stage)))
-    torch.compile(model, backend=backend, fullgraph=True)(torch.randn(2, 4)).backward()
-    assert ("forward", "lowered") in stages and ("backward", "lowered") in stages
+    lowered = {}
+    compiler = GraphshardCompiler(
+        GraphshardOptions(compiler="eager"),
+        lambda kind, stage, gm: lowered.__setitem__(kind, _collectives(gm)) if stage == "lowered" else None)
+    markers = {}
+
+    def backend(gm, example_inputs):
+        for name, module in gm.named_modules():
+            if isinstance(module, fx.GraphModule):
+                markers[name] = sum(is_unshard(n) for n in module.graph.nodes)
+        return compiler(gm, example_inputs)
+
+    per = CHECKPOINT_BATCH.shape[0] // world
+    torch.compile(model, backend=backend, fullgraph=True)(
+        CHECKPOINT_BATCH[rank * per:(rank + 1) * per]).backward()
+    grads = {name: p.grad.full_tensor() for name, p in model.named_parameters()}
+    return markers, lowered, grads
+
+
+def test_parameters_read_only_inside_a_checkpointed_region_still_go_through_the_pipeline():
+    torch.manual_seed(0)
+    reference = AllCheckpointed()
+    reference(CHECKPOINT_BATCH).backward()
+    names = sorted(name for name, _ in reference.named_parameters())
+    for markers, lowered, grads in run_local(_checkpointed_step, 2):
+        # The case under test: the top-level Dynamo graph reads no parameter, the checkpoint
+        # body reads each one once.
+        assert markers.pop("") == 0 and sum(markers.values()) == len(names), markers
+        assert sorted(lowered) == ["backward", "forward"]  # the pipeline ran on both graphs
+        # Lowered, no marker left: forward gathers every parameter once; backward recomputes
+        # the whole region (its output too: square's gradient reads it), so gathers every
+        # parameter again, and reduce-scatters every gradient once.
+        assert lowered["forward"] == {"all_gather": names, "reduce_scatter": [],
+                                      "all_reduce": [], "markers": []}
+        assert lowered["backward"] == {"all_gather": names, "reduce_scatter": names,
+                                       "all_reduce": [], "markers": []}
+        for name, p in reference.named_parameters():
+            assert torch.allclose(grads[name], p.grad, atol=1e-6), name
 
 
 def test_a_parameter_added_after_shard_is_refused(gloo1):
@@ -119,7 +186,6 @@ def test_rnn_modules_use_the_sharded_parameters(gloo1):
 def test_an_rnn_inside_a_compiled_model_trains_like_the_reference_across_batch_sizes():
     # Dynamo runs the GRU eagerly; its parameter reads must run the eager markers (not be
     # compiled as frames of their own, which recompiled with dynamic shard sizes and failed).
-    from graphshard.launch import run_local
     from tests.workers import reference_rnn, train_rnn_compiled
 
     expected = reference_rnn()

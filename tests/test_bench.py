@@ -1,20 +1,29 @@
-"""Smoke test of the benchmark harness: world size 2, a tiny model, the eager peers."""
+"""Smoke test of the benchmark harness: world size 2, a tiny model, the eager peers; and its
+collective counter on graphshard's step."""
 
 from __future__ import annotations
 
 import json
+from dataclasses import asdict
 
 import pytest
+from torch.distributed.device_mesh import init_device_mesh
 
 from bench.__main__ import main
+from bench.harness import BenchConfig, set_up
+from bench.measure import analyze, measured_step, memory_profile
+from bench.workload import build_workload, transformer_blocks
+from graphshard.launch import run_local
 
 METHODS = ("ddp_eager", "fsdp2_eager")
+MODEL_ARGS = {"dim": 32, "n_layers": 1}
 
 
 @pytest.mark.timeout(180)
 def test_bench_smoke(tmp_path):
     out = tmp_path / "results.json"
-    argv = ["--model", "transformer", "--model-args", "dim=32,n_layers=1", "--nproc", "2",
+    model_args = ",".join(f"{k}={v}" for k, v in MODEL_ARGS.items())
+    argv = ["--model", "transformer", "--model-args", model_args, "--nproc", "2",
             "--methods", ",".join(METHODS), "--steps", "2", "--repeats", "1", "--warmup", "1",
             "--json", str(out), "--plot", str(tmp_path / "plot.png")]
     assert main(argv) == 0
@@ -41,3 +50,35 @@ def test_bench_smoke(tmp_path):
     # (root, block forward, block backward) and 2 reduce-scatters (gloo runs them as all-reduce).
     assert ddp["collectives_by_kind"] == {"all_reduce": 1}
     assert fsdp2["collectives_by_kind"] == {"all_gather": 3, "all_reduce": 2}
+
+
+# graphshard without Inductor (the same collectives, a much cheaper compile); its all-gathers
+# native, so the gloo counter tells them from its reductions (which run as all-to-all on gloo).
+GRAPHSHARD = "graphshard:compiler=eager+all_gather=native"
+
+
+def _profiled_graphshard_step(rank: int, world: int) -> dict:
+    """The bench's profile phase for one method, without the harness's timing launch (whose
+    Inductor warm-up a method without Inductor does not need): set up, two steps, one measured."""
+    cfg = BenchConfig(model_args=tuple(MODEL_ARGS.items()), nproc=world, methods=(GRAPHSHARD,))
+    workload = build_workload(cfg.model, cfg.batch, cfg.seq, cfg.seed, MODEL_ARGS)
+    inputs = workload.local_inputs(rank, world)
+    with memory_profile() as prof:
+        step = set_up(GRAPHSHARD, cfg, workload, init_device_mesh("cpu", (world,)), inputs)
+        step(), step()
+        with measured_step():
+            step()
+    return asdict(analyze(prof, world))
+
+
+def test_collectives_counted_per_step_for_graphshard_match_its_units():
+    model = build_workload("transformer", 8, 32, 0, MODEL_ARGS).model
+    # One unit per block, plus the embeddings before and norm + head after. Per step: a gather
+    # per unit in forward and per unit but the embeddings in backward (an embedding's gradient
+    # needs no weight), one reduction per unit, carrying every gradient once (fp32, no padding
+    # at dim 32 over 2 ranks).
+    units = len(transformer_blocks(model)) + 2
+    param_bytes = sum(p.numel() * 4 for p in model.parameters())
+    for profile in run_local(_profiled_graphshard_step, 2):
+        assert profile["collectives"] == {"all_gather": 2 * units - 1, "all_to_all": units}
+        assert profile["comm_bytes"]["all_to_all"] == param_bytes

@@ -68,10 +68,38 @@ def test_spec_json_round_trip_and_errors(tmp_path):
                                "memory_bandwidth_Bps": 1e9})
 
 
-def test_default_reproduces_the_measured_points():
-    spec = ClusterSpec.default()
-    assert cm.collective_time("all_gather", 1024, 2, spec) == pytest.approx(0.36e-3)
-    assert cm.collective_time("all_gather", 4 << 20, 2, spec) == pytest.approx(3e-3)
+@pytest.mark.parametrize("spec", [SPEC, ClusterSpec.default()], ids=["round", "default"])
+@pytest.mark.parametrize("kind", cm.KINDS)
+def test_collective_time_grows_with_bytes_and_world_size_as_n_minus_1_over_n(spec, kind):
+    sizes = [1 << 10, 1 << 16, 1 << 20, 1 << 24]
+    worlds = [2, 3, 4, 8, 64, 1024]
+    for n in worlds:  # strictly increasing in bytes
+        times = [cm.collective_time(kind, b, n, spec) for b in sizes]
+        assert all(a < b for a, b in zip(times, times[1:])), (n, times)
+    for b in sizes:  # and in world size
+        times = [cm.collective_time(kind, b, n, spec) for n in worlds]
+        assert all(a < b for a, b in zip(times, times[1:])), (b, times)
+    # Beyond the fixed latency, time is the bytes each rank sends over the bandwidth: (N-1)/N
+    # of the buffer for a gather or a scatter, twice that for an all-reduce.
+    factor = 2 if kind == "all_reduce" else 1
+    for n in worlds:
+        for b in sizes:
+            sent = (cm.collective_time(kind, b, n, spec) - spec.latency_s) * spec.bandwidth_Bps
+            assert sent == pytest.approx(factor * b * (n - 1) / n, rel=1e-9), (n, b)
+
+
+@pytest.mark.parametrize("world_size", [2, 4, 64])
+def test_fit_alpha_beta_recovers_a_known_spec_from_its_own_timings(world_size):
+    known = ClusterSpec(latency_s=3e-4, bandwidth_Bps=2.5e9, flops_per_s=1e9,
+                        memory_bandwidth_Bps=1e10)
+    sizes = (1 << 10, 1 << 14, 1 << 18, 1 << 22)
+    samples = [(b, cm.collective_time("all_gather", b, world_size, known)) for b in sizes]
+    alpha, bandwidth = cm.fit_alpha_beta(samples, world_size=world_size)
+    assert (alpha, bandwidth) == pytest.approx((known.latency_s, known.bandwidth_Bps), rel=1e-6)
+    fitted = ClusterSpec(alpha, bandwidth, known.flops_per_s, known.memory_bandwidth_Bps)
+    for kind in cm.KINDS:  # and predicts sizes it was not fitted on
+        assert cm.collective_time(kind, 3 << 24, world_size, fitted) == pytest.approx(
+            cm.collective_time(kind, 3 << 24, world_size, known), rel=1e-6)
 
 
 # --------------------------------------------------------------------------- alpha-beta
