@@ -8,14 +8,41 @@ from __future__ import annotations
 
 import importlib
 import sys
+import warnings
 
 SUBCOMMANDS = {
-    "train": ("graphshard.train", "train the built-in Transformer on N local processes"),
+    "train": ("graphshard.train", "the demo: a byte-level LM on Python's own sources, N ranks"),
     "dump": ("graphshard.dump", "show what the compiler does to a model, at any world size"),
-    "export": ("graphshard.checkpoint", "write a sharded checkpoint's full weights to safetensors"),
+    "export": ("graphshard.checkpoint", "write a checkpoint's weights to safetensors (or HF dir)"),
     "calibrate": ("graphshard.cost_model", "measure this machine's cost-model parameters"),
     "bench": ("bench.__main__", "compare graphshard with DDP, FSDP2 and SimpleFSDP"),
 }
+
+# Warnings that say nothing to a user of a command. Export reads a checkpoint in one process by
+# design; torch.distributed.checkpoint warns at every load without a process group.
+SILENCED_WARNINGS = {
+    "export": (r"torch\.distributed is disabled, unavailable or uninitialized",),
+}
+
+
+# Floating dtypes a command-line flag accepts, spelled short (bf16) or as torch does (bfloat16).
+DTYPE_NAMES = {"bf16": "bfloat16", "bfloat16": "bfloat16", "fp16": "float16", "float16": "float16",
+               "half": "float16", "fp32": "float32", "float32": "float32", "float": "float32"}
+
+
+def parse_dtype(name: str):
+    """A dtype flag's value -> torch.dtype ("bf16", "bfloat16" and "torch.bfloat16" alike).
+    Raises argparse.ArgumentTypeError (argparse's message for a `type=` function) otherwise."""
+    import argparse
+
+    import torch
+
+    key = name.strip().lower().removeprefix("torch.")
+    if key not in DTYPE_NAMES:
+        raise argparse.ArgumentTypeError(
+            f"{name!r} is not a floating torch dtype; accepted: bf16 or bfloat16, fp16 or "
+            "float16, fp32 or float32")
+    return getattr(torch, DTYPE_NAMES[key])
 
 
 def _usage() -> str:
@@ -35,8 +62,11 @@ def main(argv: list[str] | None = None) -> int:
         print(f"graphshard: unknown command {command!r}; valid: {', '.join(SUBCOMMANDS)}",
               file=sys.stderr)
         return 2
-    module = importlib.import_module(SUBCOMMANDS[command][0])
-    return int(module.main(rest) or 0)
+    with warnings.catch_warnings():
+        for message in SILENCED_WARNINGS.get(command, ()):
+            warnings.filterwarnings("ignore", message=message)
+        module = importlib.import_module(SUBCOMMANDS[command][0])
+        return int(module.main(rest) or 0)
 
 
 if __name__ == "__main__":

@@ -3,18 +3,20 @@
     graphshard dump TARGET [--world-size N] [--strategy S] [--shard-size S] [--stage STAGE]
                            [--option KEY=VALUE ...] [--param-dtype D] [--reduce-dtype D]
                            [--batch B] [--seq L] [--model-args K=V,...] [--no-meta]
-                           [--cluster FILE] [--json FILE] [--trace FILE]
+                           [--cluster FILE] [--json FILE] [--trace FILE] [--quiet]
 
-    graphshard dump llama3-8b --world-size 64 --param-dtype bfloat16 --trace step.json
+    graphshard dump llama3-8b --world-size 64 --param-dtype bf16 --trace step.json
     graphshard dump my_pkg.models:make_model -n 16 --option bucket_mb=25 --json dump.json
 
 TARGET is a built-in model name (`graphshard.models.BUILTIN_MODELS`: transformer,
 transformer-large, llama, llama3-8b), or `package.module:factory`, or `path/to/file.py:factory`.
 A factory returns `(model, example_inputs)` or `(model, example_inputs, loss_fn)`; `--batch`,
 `--seq` and `--model-args` become its keyword arguments (built-ins: batch=1, seq_len=128 unless
-given). `--stage` is a stage of `backend.STAGES` (captured, lowered, bucketed, scheduled, transport),
-`all`, or `none`; default: the final stage. Bad input exits with status 2 and one line on stderr;
-a model that fails to compile, with status 1.
+given). `--stage` prints the FX graphs of a stage of `backend.STAGES` (captured, lowered,
+bucketed, scheduled, transport), or of `all`; default `none`: the summary only. Dtypes are
+spelled either way (bf16 or bfloat16, fp16 or float16, fp32 or float32). Progress of the long
+phases (capture, passes, estimate) goes to stderr, unless `--quiet`. Bad input exits with status
+2 and one line on stderr; a model that fails to compile, with status 1.
 
 How it works. One process, a fake process group of world size N, and rank 0's view of it. The
 factory runs under `torch.device("meta")` (unless `--no-meta`), so nothing is allocated; every
@@ -35,10 +37,14 @@ Llama-3-8B shape (32 blocks, dim 4096; batch 1, seq 128) at world size 64 takes 
 time (user + sys) and 0.6 GB of memory on the 2-core development machine: its wall time when
 the machine is otherwise idle; measured 68 s wall at load average 5.
 
-Output: the graphs of the chosen stage(s) as code, a table of every collective, communication
-bytes per step beside the theory for the strategy (as formulas in N and as numbers), and the cost
-model's estimates (`graphshard.cost_model`: alpha-beta collectives, roofline compute, a two-lane
-simulation of each graph in node order) of per-rank memory, step time and exposed communication.
+Output: the graphs of the stage(s) asked for with `--stage`, as code; a table of every
+collective, communication bytes per step beside the theory for the strategy (as formulas in N
+and as numbers), and the cost model's estimates (`graphshard.cost_model`: alpha-beta
+collectives, roofline compute, a two-lane simulation of each graph in node order) of per-rank
+memory, step time and exposed communication. Memory: a graph's "own peak" is the most it
+allocates at one time beyond its inputs (for the forward, including the activations it saves);
+the backward also holds those saved activations, as inputs: its working set is saved activations
++ its own peak. The per-rank peak is model state + inputs + the larger working set.
 
 JSON schema (`--json FILE`; version 1). Sizes are bytes, times seconds, everything rank 0's.
 
@@ -85,9 +91,12 @@ JSON schema (`--json FILE`; version 1). Sizes are bytes, times seconds, everythi
                      (forward + backward; optimizer not modelled); exposed_comm_s; compute_s;
                      comm_s; memory: {param_bytes, grad_bytes, optimizer_bytes (AdamW: 2 x
                      trainable shards), model_state_bytes, input_bytes, forward_transient_bytes,
-                     backward_saved_bytes, backward_transient_bytes, peak_graph, peak_node};
-                     per_graph: {forward|backward: {total_s, compute_s, comm_s, exposed_comm_s,
-                     peak_transient_bytes, peak_node}}; cluster: the ClusterSpec used
+                     backward_saved_bytes, backward_transient_bytes, peak_graph, peak_node}
+                     (forward_transient_bytes and backward_transient_bytes are each graph's own
+                     peak, as per_graph below; the backward's working set adds
+                     backward_saved_bytes); per_graph: {forward|backward: {total_s, compute_s,
+                     comm_s, exposed_comm_s, peak_transient_bytes (the graph's own peak),
+                     peak_node}}; cluster: the ClusterSpec used
     graphs           forward, backward: the final stage's code (print_readable)
     timing           capture_s, total_s: this dump's own wall time; stages_s:
                      {"graph/stage": seconds}, "captured" being Dynamo + AOTAutograd + partition
@@ -231,8 +240,20 @@ def _to_fake(workload: Workload, fake_mode, device: str = "cpu") -> None:
     """
     import torch
 
+    # to_empty gives each module a new Parameter: tied weights would come back untied (two
+    # gathers, two reductions, counted twice). Re-tie them afterwards.
+    owners: dict[int, list[tuple[object, str]]] = {}
+    for module in workload.model.modules():
+        for name, param in module._parameters.items():
+            if param is not None:
+                owners.setdefault(id(param), []).append((module, name))
     with fake_mode:
         workload.model.to_empty(device=device)
+    for tied in owners.values():
+        first_module, first_name = tied[0]
+        for module, name in tied[1:]:
+            module._parameters[name] = first_module._parameters[first_name]
+    with fake_mode:
 
         def fake(t):
             if not isinstance(t, torch.Tensor):
@@ -262,10 +283,12 @@ def _readable(gm) -> str:
     return gm.print_readable(print_output=False, include_stride=False, include_device=False)
 
 
-def capture(model, inputs: tuple, options, stages: Sequence[str]) -> Capture:
+def capture(model, inputs: tuple, options, stages: Sequence[str],
+            progress: Callable[[str], None] = lambda message: None) -> Capture:
     """Compile `model` with the graphshard backend; record the code of `stages` and the final
     graphs. The backward is compiled eagerly with the forward (as AOT compile does), and the
-    observer stops the compilation once the final backward graph is recorded."""
+    observer stops the compilation once the final backward graph is recorded. `progress` is
+    told when each graph has been captured and when its passes are done."""
     import torch
     import torch._functorch.config as functorch_config
 
@@ -281,6 +304,11 @@ def capture(model, inputs: tuple, options, stages: Sequence[str]) -> Capture:
         kind = "forward" if kind == "inference" else kind
         # "captured": Dynamo + AOTAutograd + partitioning since the previous event; else the pass
         result.seconds[f"{kind}/{stage}"] = time.perf_counter() - clock[0]
+        if stage == final:
+            captured = result.seconds[f"{kind}/{STAGES[0]}"]
+            passes = sum(v for k, v in result.seconds.items()
+                         if k.startswith(f"{kind}/")) - captured
+            progress(f"{kind} graph captured in {captured:.1f} s, passes run in {passes:.1f} s")
         # Later stages mutate the graph in place: take the text now.
         if stage in stages or stage == final:
             result.texts[(kind, stage)] = _readable(gm)
@@ -579,9 +607,11 @@ class DumpResult:
 
 def dump(workload: Workload, *, world_size: int, strategy: str = "full_shard", options=None,
          stages: Sequence[str] = (), shard_size: int | None = None, param_dtype=None,
-         reduce_dtype=None, cluster=None) -> DumpResult:
+         reduce_dtype=None, cluster=None,
+         progress: Callable[[str], None] = lambda message: None) -> DumpResult:
     """Shard and compile `workload` at `world_size` on a fake process group (one must not be
-    initialised already) and describe the result. `stages`: stage names whose code to keep."""
+    initialised already) and describe the result. `stages`: stage names whose code to keep;
+    `progress`: told what the long phases are doing (the CLI prints it to stderr)."""
     import torch
     import torch.distributed as dist
     from torch._subclasses.fake_tensor import FakeTensorMode
@@ -619,8 +649,11 @@ def dump(workload: Workload, *, world_size: int, strategy: str = "full_shard", o
         graphshard.shard(workload.model, mesh, strategy=strategy, param_dtype=param_dtype,
                          reduce_dtype=reduce_dtype)
         infos = param_infos(workload.model)
-        cap = capture(workload.model, workload.inputs, options, stages)
+        progress(f"capturing the training step of {workload.description} at world size "
+                 f"{world_size} (Dynamo, AOTAutograd, partitioning: most of the dump's time)")
+        cap = capture(workload.model, workload.inputs, options, stages, progress)
         captured = time.perf_counter()
+        progress("estimating time and memory with the cost model")
         estimates = {kind: graph_estimate(gm, cluster) for kind, gm in cap.final.items()}
         records = [r for kind in ("forward", "backward") if kind in estimates
                    for r in collective_records(kind, cap.final[kind], estimates[kind], infos,
@@ -785,17 +818,21 @@ def format_report(result: DumpResult, stages: Sequence[str]) -> str:
     rows.append(("step", f"{est['step_s'] * 1e3:.2f}", f"{est['compute_s'] * 1e3:.2f}",
                  f"{est['comm_s'] * 1e3:.2f}", f"{est['exposed_comm_s'] * 1e3:.2f}", ""))
     cluster = est["cluster"]
-    transient = (mem["backward_saved_bytes"] + mem["backward_transient_bytes"]
-                 if mem["peak_graph"] == "backward" else mem["forward_transient_bytes"])
+    if mem["peak_graph"] == "backward":
+        working_set = (f"backward: saved activations {_human(mem['backward_saved_bytes'])} + "
+                       f"its own peak {_human(mem['backward_transient_bytes'])}")
+    else:
+        working_set = f"forward: its own peak {_human(mem['forward_transient_bytes'])}"
     out += [f"==== estimate (cost model: alpha {cluster['latency_s'] * 1e6:.0f} us, "
             f"{_human(cluster['bandwidth_Bps'])}/s, {cluster['flops_per_s']:.3g} FLOP/s) ====",
             tabulate(rows, headers=["", "time ms", "compute ms", "comm ms", "exposed comm ms",
-                                    "peak transient"]),
+                                    "own peak"]),
+            "  own peak: the most a graph allocates at one time beyond its inputs (the forward's "
+            "includes the activations it saves for backward)",
             f"peak memory per rank: {_human(mem['peak_bytes'])} = model state "
             f"{_human(mem['model_state_bytes'])} (params {_human(mem['param_bytes'])}, grads "
             f"{_human(mem['grad_bytes'])}, AdamW {_human(mem['optimizer_bytes'])}) + inputs "
-            f"{_human(mem['input_bytes'])} + {mem['peak_graph']} transient "
-            f"{_human(transient)} (peak at {mem['peak_node']})",
+            f"{_human(mem['input_bytes'])} + {working_set} (at {mem['peak_node']})",
             f"dump took {r['timing']['total_s']:.1f} s (capture {r['timing']['capture_s']:.1f} s)"]
     return "\n".join(out)
 
@@ -824,6 +861,7 @@ def _model_args(items: Sequence[str]) -> dict[str, Any]:
 
 def _parser() -> argparse.ArgumentParser:
     from graphshard.backend import STAGES
+    from graphshard.cli import parse_dtype
 
     p = _Parser(prog="graphshard dump",
                 description="Show what the graphshard compiler does to a model at any world "
@@ -836,14 +874,16 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--strategy", default="full_shard",
                    help="full_shard, shard_grad_op, no_shard or hybrid_shard")
     p.add_argument("--shard-size", type=int, help="hybrid_shard: ranks per shard group")
-    p.add_argument("--stage", default=STAGES[-1],
-                   help=f"graphs to print: {', '.join(STAGES)}, all or none "
-                        f"(default: {STAGES[-1]})")
+    p.add_argument("--stage", default="none",
+                   help=f"also print the FX graphs after a stage: {', '.join(STAGES)}, or all "
+                        "(default none: the summary only)")
     p.add_argument("--option", "-o", action="append", default=[], metavar="KEY=VALUE",
                    help="backend option, as in torch.compile(options=...); repeatable")
-    p.add_argument("--param-dtype",
-                   help="mixed precision: dtype of gathered parameters (e.g. bfloat16)")
-    p.add_argument("--reduce-dtype", help="mixed precision: dtype of gradient reduction")
+    p.add_argument("--param-dtype", type=parse_dtype, metavar="DTYPE",
+                   help="mixed precision: dtype of gathered parameters (bf16/bfloat16, "
+                        "fp16/float16, fp32/float32)")
+    p.add_argument("--reduce-dtype", type=parse_dtype, metavar="DTYPE",
+                   help="mixed precision: dtype of gradient reduction (same spellings)")
     p.add_argument("--batch", type=int,
                    help="batch size (per rank) of the example inputs: factory kwarg batch=")
     p.add_argument("--seq", type=int,
@@ -856,18 +896,21 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--json", metavar="FILE",
                    help="write the report as JSON (schema: graphshard/dump.py docstring)")
     p.add_argument("--trace", metavar="FILE", help="write a Chrome trace of the simulated step")
+    p.add_argument("--quiet", "-q", action="store_true",
+                   help="no progress messages on stderr")
     return p
 
 
-def _dtype(name: str | None, flag: str):
-    import torch
-    if name is None:
-        return None
-    dtype = getattr(torch, name.replace("torch.", ""), None)
-    if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
-        raise DumpError(f"{flag} {name!r} is not a floating torch dtype "
-                        "(e.g. bfloat16, float16, float32)")
-    return dtype
+def _progress_printer(quiet: bool) -> Callable[[str], None]:
+    if quiet:
+        return lambda message: None
+    started = time.perf_counter()
+
+    def show(message: str) -> None:
+        print(f"graphshard dump [{time.perf_counter() - started:5.1f} s]: {message}",
+              file=sys.stderr, flush=True)
+
+    return show
 
 
 def run(argv: Sequence[str]) -> int:
@@ -898,15 +941,14 @@ def run(argv: Sequence[str]) -> int:
             cluster = ClusterSpec.from_json(args.cluster)
         except (OSError, ValueError, TypeError) as e:
             raise DumpError(f"--cluster {args.cluster!r}: {_one_line(e)}") from None
-    param_dtype = _dtype(args.param_dtype, "--param-dtype")
-    reduce_dtype = _dtype(args.reduce_dtype, "--reduce-dtype")
 
     workload = load_workload(args.target, meta=args.meta, batch=args.batch, seq_len=args.seq,
                              model_args=_model_args(args.model_args))
     try:
         result = dump(workload, world_size=args.world_size, strategy=strategy, options=options,
-                      stages=stages, shard_size=args.shard_size, param_dtype=param_dtype,
-                      reduce_dtype=reduce_dtype, cluster=cluster)
+                      stages=stages, shard_size=args.shard_size, param_dtype=args.param_dtype,
+                      reduce_dtype=args.reduce_dtype, cluster=cluster,
+                      progress=_progress_printer(args.quiet))
     except DumpError:
         raise
     except Exception as e:

@@ -59,3 +59,10 @@ def make_cnn(batch: int = 2):
     model = nn.Sequential(nn.Conv2d(3, 5, 3), nn.BatchNorm2d(5), nn.ReLU(), nn.MaxPool2d(2),
                           nn.Flatten(), nn.Linear(5 * 3 * 3, 4))
     return model, (torch.randn(batch, 3, 8, 8),)
+
+
+def make_tied(batch: int = 2):
+    """The test zoo's GPT: embedding and output head share one weight."""
+    from tests.zoo import TinyGPT, gpt_batch
+
+    return TinyGPT(), (gpt_batch(batch),), lambda out, tokens: out.float().square().mean()
