@@ -1,11 +1,13 @@
-"""The `graphshard` torch.compile backend.
+"""The `graphshard` torch.compile backend: one list of stages, each a pass over a GraphModule.
 
-    Dynamo graph --merge_duplicate_unshards--> AOTAutograd joint graph
-      --tag_reshard_policy + min-cut partition--> forward / backward graphs
-      --PIPELINE (insert_collectives, bucket, reorder)--> Inductor (compile_fx_inner)
+    Dynamo graph    -- merged -->                  (merge_duplicate_unshards)
+    AOTAutograd joint graph -- tagged -->          (tag_reshard_policy), then the min-cut partition
+    forward / backward graphs -- partitioned --> lowered --> bucketed --> scheduled --> transport
+    --> Inductor (compile_fx_inner)
 
-The pipeline is data: `PIPELINE` below is the single list of stages, and `graphshard dump
---stage` takes its stage names from it.
+`PIPELINE` below is that list; `graphshard dump --stage` takes its stage names from it, and an
+observer sees every stage's graph. Each stage runs on one family of graphs and names the stages
+that must have run on the same graph before it: running one out of order fails loudly.
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ from torch.distributed.tensor import DTensor
 from graphshard import ops  # noqa: F401  (registers torch.ops.graphshard.*)
 from graphshard.cost_model import ClusterSpec, collective_node_cost, node_cost
 from graphshard.options import GraphshardOptions
+from passes.context import PassContext
 from passes.graph_utils import is_reduce_grad, is_unshard
 from passes.markers import UnshardSpec
 from passes.bucket_collectives import bucket_collectives
@@ -36,25 +39,14 @@ from passes.reduce_scatter_via_all_to_all import reduce_scatter_via_all_to_all
 from passes.reorder_collectives import ReorderPolicy, reorder_collectives
 from passes.reshard_policy import tag_reshard_policy
 
-@dataclass(frozen=True)
-class PassContext:
-    """What a pass may know besides the graph."""
-
-    graph_kind: str  # "forward", "backward" or "inference"
-    options: GraphshardOptions
-    param_order: Mapping[str, int] = field(default_factory=dict)  # name -> registration index
-    cluster: ClusterSpec = field(default_factory=ClusterSpec.default)  # cost-model parameters
-    # collective kinds to exchange by all-to-all: resolved from the options and the group's backend
-    via_all_to_all: frozenset[str] = frozenset()
-
-
 def _schedule(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
     budget = ctx.options.max_inflight_mb
+    cluster = ctx.cluster or ClusterSpec.default()  # PassContext's cluster None: the default
     policy = ReorderPolicy(
         prefetch=ctx.options.prefetch,
         max_inflight_bytes=math.inf if budget is None else budget * 2**20,
-        compute_seconds=lambda node: node_cost(node, ctx.cluster).seconds,
-        collective_seconds=lambda node: collective_node_cost(node, ctx.cluster).seconds,
+        compute_seconds=lambda node: node_cost(node, cluster).seconds,
+        collective_seconds=lambda node: collective_node_cost(node, cluster).seconds,
     )
     return reorder_collectives(gm, policy)
 
@@ -62,7 +54,9 @@ def _schedule(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
 @dataclass(frozen=True)
 class Stage:
     name: str
+    graphs: str  # "dynamo", "joint", or "split": the forward, backward and inference graphs
     run: Callable[[fx.GraphModule, PassContext], fx.GraphModule]
+    requires: tuple[str, ...] = ()  # stages that must already have run on this graph
     enabled: Callable[[GraphshardOptions], bool] = lambda options: True
 
 
@@ -87,13 +81,27 @@ def _param_order(gm: fx.GraphModule) -> dict[str, int]:
     return {spec.name: spec.order for spec in specs}
 
 
+def _partitioned(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
+    """Not a pass: marks a graph as the partitioner's output (what the later stages expect)."""
+    return gm
+
+
 PIPELINE: tuple[Stage, ...] = (
-    Stage("lowered", insert_collectives),
-    Stage("bucketed", bucket_collectives, enabled=lambda options: options.bucket_mb > 0),
-    Stage("scheduled", _schedule, enabled=lambda options: options.reorder),
-    Stage("transport", _transport, enabled=lambda options: bool(options.via_all_to_all(on_gloo=True))),
+    Stage("merged", "dynamo", merge_duplicate_unshards),
+    Stage("tagged", "joint", tag_reshard_policy),
+    Stage("partitioned", "split", _partitioned),
+    Stage("lowered", "split", insert_collectives, requires=("partitioned",)),
+    Stage("bucketed", "split", bucket_collectives, requires=("lowered",),
+          enabled=lambda options: options.bucket_mb > 0),
+    Stage("scheduled", "split", _schedule, requires=("bucketed",),
+          enabled=lambda options: options.reorder),
+    # After all analysis: the analysis reads collectives, the transport rewrites them.
+    Stage("transport", "split", _transport, requires=("scheduled",),
+          enabled=lambda options: bool(options.via_all_to_all(on_gloo=True))),
 )
-STAGES: tuple[str, ...] = ("captured",) + tuple(stage.name for stage in PIPELINE)
+STAGES: tuple[str, ...] = tuple(stage.name for stage in PIPELINE)
+_FAMILY = {"dynamo": "dynamo", "joint": "joint", "forward": "split", "backward": "split",
+           "inference": "split"}
 
 # Observer of each stage's graph: (graph_kind, stage_name, graph_module) -> None
 StageObserver = Callable[[str, str, fx.GraphModule], None]
@@ -125,21 +133,22 @@ def _check_all_parameters_sharded(example_inputs: Sequence[Any]) -> None:
 
 def run_pipeline(gm: fx.GraphModule, ctx: PassContext,
                  observer: StageObserver | None = None) -> fx.GraphModule:
-    if observer:
-        observer(ctx.graph_kind, "captured", gm)
+    """Run the stages of `ctx.graph_kind`'s family, in order; a disabled stage leaves the graph
+    unchanged but still counts as run (its successors' requirements hold)."""
     for stage in PIPELINE:
+        if stage.graphs != _FAMILY[ctx.graph_kind]:
+            continue
+        done = gm.meta.get("graphshard_stages", ())
+        missing = [name for name in stage.requires if name not in done]
+        if missing:
+            raise RuntimeError(f"graphshard stage {stage.name!r} needs {missing} to have run on "
+                               f"this {ctx.graph_kind} graph first; it has run {list(done)}")
         if stage.enabled(ctx.options):
             gm = stage.run(gm, ctx)
+        gm.meta["graphshard_stages"] = (*done, stage.name)
         if observer:
             observer(ctx.graph_kind, stage.name, gm)
     return gm
-
-
-def _partition(joint: fx.GraphModule, joint_inputs, **kwargs):
-    from torch._inductor.compile_fx import partition_fn
-
-    tag_reshard_policy(joint)
-    return partition_fn(joint, joint_inputs, **kwargs)
 
 
 class GraphshardCompiler:
@@ -151,10 +160,20 @@ class GraphshardCompiler:
         self.cluster = (ClusterSpec.from_json(options.cluster) if options.cluster
                         else ClusterSpec.default())
 
+    def _context(self, graph_kind: str, param_order: Mapping[str, int] = {},
+                 via_all_to_all: frozenset[str] = frozenset()) -> PassContext:
+        return PassContext(graph_kind, self.options, param_order, self.cluster, via_all_to_all)
+
+    def _partition(self, joint: fx.GraphModule, joint_inputs, **kwargs):
+        from torch._inductor.compile_fx import partition_fn
+
+        joint = run_pipeline(joint, self._context("joint"), self.observer)
+        return partition_fn(joint, joint_inputs, **kwargs)
+
     def _graph_compiler(self, graph_kind: str, param_order: Mapping[str, int],
                         via_all_to_all: frozenset[str]):
         def compile_graph(gm: fx.GraphModule, example_inputs: Sequence[Any]):
-            ctx = PassContext(graph_kind, self.options, param_order, self.cluster, via_all_to_all)
+            ctx = self._context(graph_kind, param_order, via_all_to_all)
             gm = run_pipeline(gm, ctx, self.observer)
             if self.options.compiler == "eager":
                 return make_boxed_func(gm.forward)
@@ -181,7 +200,7 @@ class GraphshardCompiler:
 
             return compile_fx(gm, example_inputs)
         _check_all_parameters_sharded(example_inputs)
-        gm = merge_duplicate_unshards(gm)
+        gm = run_pipeline(gm, self._context("dynamo"), self.observer)
         param_order = _param_order(gm)
         via_all_to_all = self.options.via_all_to_all(on_gloo=_uses_gloo(gm))
         from torch._inductor.decomposition import select_decomp_table
@@ -195,7 +214,7 @@ class GraphshardCompiler:
             fw_compiler=self._graph_compiler("forward", param_order, via_all_to_all),
             bw_compiler=self._graph_compiler("backward", param_order, via_all_to_all),
             inference_compiler=self._graph_compiler("inference", param_order, via_all_to_all),
-            partition_fn=_partition,
+            partition_fn=self._partition,
             decompositions=select_decomp_table(),
             keep_inference_input_mutations=True,
         )

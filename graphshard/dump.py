@@ -12,8 +12,9 @@ TARGET is a built-in model name (`graphshard.models.BUILTIN_MODELS`: transformer
 transformer-large, llama, llama3-8b), or `package.module:factory`, or `path/to/file.py:factory`.
 A factory returns `(model, example_inputs)` or `(model, example_inputs, loss_fn)`; `--batch`,
 `--seq` and `--model-args` become its keyword arguments (built-ins: batch=1, seq_len=128 unless
-given). `--stage` prints the FX graphs of a stage of `backend.STAGES` (captured, lowered,
-bucketed, scheduled, transport), or of `all`; default `none`: the summary only. Dtypes are
+given). `--stage` prints the FX graphs of a stage of `backend.STAGES` (merged: the Dynamo graph;
+tagged: the joint graph; partitioned, lowered, bucketed, scheduled, transport: the forward and
+backward graphs), or of `all`; default `none`: the summary only. Dtypes are
 spelled either way (bf16 or bfloat16, fp16 or float16, fp32 or float32). Progress of the long
 phases (capture, passes, estimate) goes to stderr, unless `--quiet`. Bad input exits with status
 2 and one line on stderr; a model that fails to compile, with status 1.
@@ -55,7 +56,7 @@ JSON schema (`--json FILE`; version 1). Sizes are bytes, times seconds, everythi
     strategy         "full_shard" | "shard_grad_op" | "no_shard" | "hybrid_shard"
     mesh             mesh shape, e.g. [64] or [8, 8] (replicate, shard) for hybrid_shard
     options          the GraphshardOptions as given (to_dict)
-    stages           stage names in pipeline order ("captured" first); `stage`: the final one;
+    stages           stage names in pipeline order ("merged" first); `stage`: the final one;
                      stages_disabled: those the options turn off (their graph is unchanged)
     params           count: distinct parameters (tied ones once); bytes: their unsharded total
                      in the parameter dtype; trainable_bytes; gather_bytes / reduce_bytes: the
@@ -99,7 +100,7 @@ JSON schema (`--json FILE`; version 1). Sizes are bytes, times seconds, everythi
                      peak_node}}; cluster: the ClusterSpec used
     graphs           forward, backward: the final stage's code (print_readable)
     timing           capture_s, total_s: this dump's own wall time; stages_s:
-                     {"graph/stage": seconds}, "captured" being Dynamo + AOTAutograd + partition
+                     {"graph/stage": seconds}, "partitioned" being AOTAutograd + partition
 
 `--trace FILE` writes a Chrome trace (chrome://tracing, https://ui.perfetto.dev) of the simulated
 step: thread 0 is compute (one event per node, and "wait" events where compute is blocked on a
@@ -302,10 +303,10 @@ def capture(model, inputs: tuple, options, stages: Sequence[str],
 
     def observe(kind: str, stage: str, gm) -> None:
         kind = "forward" if kind == "inference" else kind
-        # "captured": Dynamo + AOTAutograd + partitioning since the previous event; else the pass
+        # "partitioned": AOTAutograd + partitioning since the previous event; else the pass
         result.seconds[f"{kind}/{stage}"] = time.perf_counter() - clock[0]
         if stage == final:
-            captured = result.seconds[f"{kind}/{STAGES[0]}"]
+            captured = result.seconds[f"{kind}/partitioned"]
             passes = sum(v for k, v in result.seconds.items()
                          if k.startswith(f"{kind}/")) - captured
             progress(f"{kind} graph captured in {captured:.1f} s, passes run in {passes:.1f} s")
@@ -783,7 +784,7 @@ def format_report(result: DumpResult, stages: Sequence[str]) -> str:
     for stage in r["stages"]:
         if stage not in stages:
             continue
-        for kind in ("forward", "backward"):
+        for kind in ("dynamo", "joint", "forward", "backward"):
             text = result.texts.get((kind, stage))
             if text is not None:
                 off = " (off in these options: unchanged)" if stage in r["stages_disabled"] else ""

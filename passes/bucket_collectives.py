@@ -21,6 +21,7 @@ from typing import Mapping
 
 import torch.fx as fx
 
+from passes.context import PassContext
 from passes.graph_utils import (
     ALL_GATHER,
     ALL_REDUCE,
@@ -181,12 +182,13 @@ def _rewrite_reduce(gm: fx.GraphModule, bucket: Bucket, fake_mode) -> None:
     _replace_members(gm, members, outputs)
 
 
-def bucket_collectives(gm: fx.GraphModule, ctx=None) -> fx.GraphModule:
-    """Merge each bucket's collectives into one (see module docstring)."""
-    cap_mb = getattr(getattr(ctx, "options", None), "bucket_mb", 0)
+def bucket_collectives(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
+    """Merge each bucket's collectives into one (see module docstring); options.bucket_mb caps
+    a bucket's unsharded size (0: no bucketing)."""
+    cap_mb = ctx.options.bucket_mb
     if not cap_mb:
         return gm
-    param_order = getattr(ctx, "param_order", None)
+    param_order = ctx.param_order
     fake_mode = fake_mode_of(gm)
     for bucket in plan_buckets(gm, cap_mb * 2**20, param_order):
         if len(bucket.members) < 2:

@@ -114,7 +114,8 @@ def test_graphs_read_plain_local_shards_not_dtensors(fake_pg):
     model = TinyGPT("full")
     graphs = capture_step(model, (gpt_batch(8),), zoo_loss)
     for (kind, stage), gm in graphs.items():
-        inputs = [n.meta.get("val") for n in gm.graph.find_nodes(op="placeholder")]
+        inputs = [n.meta.get("val", n.meta.get("example_value"))  # Dynamo graphs: example_value
+                  for n in gm.graph.find_nodes(op="placeholder")]
         odd = [type(v).__name__ for v in inputs
                if not isinstance(v, (torch.SymInt, int)) and type(v) is not torch._subclasses.FakeTensor]
         assert not odd, (kind, stage, odd)

@@ -1,0 +1,22 @@
+"""What a pass may know besides the graph it rewrites."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Mapping
+
+GRAPH_KINDS = ("dynamo", "joint", "forward", "backward", "inference")
+
+
+@dataclass(frozen=True)
+class PassContext:
+    graph_kind: str  # one of GRAPH_KINDS
+    options: Any  # graphshard.options.GraphshardOptions: passes read bucket_mb, prefetch, ...
+    param_order: Mapping[str, int] = field(default_factory=dict)  # name -> registration index
+    cluster: Any = None  # graphshard.cost_model.ClusterSpec for the cost model (None: default)
+    # collective kinds to exchange by all-to-all: resolved from the options and the group's backend
+    via_all_to_all: frozenset[str] = frozenset()
+
+    def __post_init__(self):
+        if self.graph_kind not in GRAPH_KINDS:
+            raise ValueError(f"graph_kind must be one of {GRAPH_KINDS}, got {self.graph_kind!r}")
