@@ -14,17 +14,14 @@ from __future__ import annotations
 
 import inspect
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Callable, Mapping, Sequence
 
 import torch
-import torch.distributed as dist
 import torch.fx as fx
-from torch._dynamo.backends.common import aot_autograd
-from torch._dynamo.exc import ShortenTraceback
-from torch._functorch.aot_autograd import make_boxed_func
 from torch.distributed.tensor import DTensor
 
+from graphshard import _torch_compat as compat
 from graphshard import ops  # noqa: F401  (registers torch.ops.graphshard.*)
 from graphshard.cost_model import ClusterSpec, collective_node_cost, node_cost
 from graphshard.options import GraphshardOptions
@@ -165,10 +162,8 @@ class GraphshardCompiler:
         return PassContext(graph_kind, self.options, param_order, self.cluster, via_all_to_all)
 
     def _partition(self, joint: fx.GraphModule, joint_inputs, **kwargs):
-        from torch._inductor.compile_fx import partition_fn
-
         joint = run_pipeline(joint, self._context("joint"), self.observer)
-        return partition_fn(joint, joint_inputs, **kwargs)
+        return compat.inductor_partition(joint, joint_inputs, **kwargs)
 
     def _graph_compiler(self, graph_kind: str, param_order: Mapping[str, int],
                         via_all_to_all: frozenset[str]):
@@ -176,18 +171,9 @@ class GraphshardCompiler:
             ctx = self._context(graph_kind, param_order, via_all_to_all)
             gm = run_pipeline(gm, ctx, self.observer)
             if self.options.compiler == "eager":
-                return make_boxed_func(gm.forward)
-            from torch._inductor.compile_fx import compile_fx_inner
-
-            from torch._inductor import config as inductor_config
-
+                return compat.boxed(gm.forward)
             # Inductor mutates the graph it compiles; observers already hold their copies.
-            # Its peak-memory reordering knows nothing of collectives and sizes differ by rank
-            # (uneven shards): it could undo our schedule or order collectives differently on
-            # different ranks (a hang). Our schedule stands.
-            with inductor_config.patch(reorder_for_peak_memory=False):
-                return compile_fx_inner(gm, example_inputs, is_backward=graph_kind == "backward",
-                                        is_inference=graph_kind == "inference")
+            return compat.inductor_compile_graph(gm, example_inputs, graph_kind)
 
         return compile_graph
 
@@ -196,39 +182,30 @@ class GraphshardCompiler:
             # Not sharded by graphshard: behave exactly like the backend we hand off to.
             if self.options.compiler == "eager":
                 return gm.forward
-            from torch._inductor.compile_fx import compile_fx
-
-            return compile_fx(gm, example_inputs)
+            return compat.inductor_compile(gm, example_inputs)
         _check_all_parameters_sharded(example_inputs)
         gm = run_pipeline(gm, self._context("dynamo"), self.observer)
         param_order = _param_order(gm)
         via_all_to_all = self.options.via_all_to_all(on_gloo=_uses_gloo(gm))
-        from torch._inductor.decomposition import select_decomp_table
-        # Some of Inductor's decompositions consult its lowerings (max_pool2d_with_indices does);
-        # with compiler="eager" nothing else imports them.
-        import torch._inductor.lowering  # noqa: F401
-        from torch._inductor.virtualized import V
-        from torch._guards import detect_fake_mode
-
-        backend = aot_autograd(
+        backend = compat.aot_autograd_backend(
             fw_compiler=self._graph_compiler("forward", param_order, via_all_to_all),
             bw_compiler=self._graph_compiler("backward", param_order, via_all_to_all),
             inference_compiler=self._graph_compiler("inference", param_order, via_all_to_all),
             partition_fn=self._partition,
-            decompositions=select_decomp_table(),
+            decompositions=compat.inductor_decompositions(),
             keep_inference_input_mutations=True,
         )
-        with V.set_fake_mode(detect_fake_mode(example_inputs)):
+        with compat.fake_mode_of_inputs(example_inputs):
             return backend(gm, example_inputs)
 
 
-class OptionsError(ValueError, ShortenTraceback):
+class OptionsError(ValueError, compat.short_traceback_error()):
     """Bad `options` to torch.compile(backend="graphshard"), raised at the first compilation.
 
     torch.compile only stores `options` and Dynamo passes them to the backend when it compiles
     the first graph, so that is the earliest they can be checked. Dynamo wraps anything a
     backend raises in BackendCompilerFailed, whose first line is "backend='graphshard' raised:",
-    except its own ShortenTraceback (private API; no public way exists), which it re-raises as
+    except its own ShortenTraceback (graphshard/_torch_compat.py), which it re-raises as
     is, with its frames cut above `first_useful_frame`: so our message is the error's first
     line and the traceback ends in graphshard_backend. Still a ValueError to catch."""
 

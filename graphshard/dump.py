@@ -491,7 +491,7 @@ def comm_summary(records: list[dict], infos: dict[str, ParamInfo], strategy: str
     """Measured bytes per kind beside theoretical_comm_bytes, with reasons for differences."""
     import sympy
 
-    from graphshard.cost_model import theoretical_comm_bytes
+    from graphshard.theory import theoretical_comm_bytes
 
     gather_bytes = sum(p.numel * p.gather_dtype.itemsize for p in infos.values())
     trainable_bytes = sum(p.numel * p.reduce_dtype.itemsize for p in infos.values()
@@ -564,7 +564,7 @@ def _difference_notes(records: list[dict], infos: dict[str, ParamInfo], strategy
 def memory_summary(fw, bw, bw_graph, infos: dict[str, ParamInfo], input_bytes: int) -> dict:
     """Per-rank peak: model state (shards, gradients, AdamW state) plus the larger of the
     forward's and the backward's transient memory from the cost model's liveness walk.
-    fw, bw: cost_model.GraphEstimate (bw None without a backward); bw_graph: its GraphModule."""
+    fw, bw: simulator.GraphEstimate (bw None without a backward); bw_graph: its GraphModule."""
     from graphshard.cost_model import value_bytes
 
     param_bytes = sum(p.local_numel * p.dtype.itemsize for p in infos.values())
@@ -621,7 +621,8 @@ def dump(workload: Workload, *, world_size: int, strategy: str = "full_shard", o
 
     import graphshard
     from graphshard.backend import PIPELINE, STAGES
-    from graphshard.cost_model import ClusterSpec, graph_estimate, value_bytes
+    from graphshard.cost_model import ClusterSpec, value_bytes
+    from graphshard.simulator import graph_estimate
     from graphshard.options import GraphshardOptions
     from graphshard.policy import ShardingStrategy
 

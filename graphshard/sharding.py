@@ -10,7 +10,7 @@ time eagerly, or by whatever the backend's passes make of the marker op under to
 from __future__ import annotations
 
 import functools
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Callable, Iterator
 
 import torch
@@ -21,6 +21,7 @@ from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.utils._pytree import tree_map
 
 from graphshard.grad_sync import GradSync, unshard_for_grad_sync
+from graphshard._torch_compat import run_eagerly_when_called_from_eager_code
 from graphshard.ops import call_unshard
 from passes.markers import UnshardSpec
 from graphshard.policy import MixedPrecisionPolicy, ShardingStrategy, resolve_mixed_precision
@@ -136,11 +137,7 @@ def _eager_when_not_inlined(fn: Callable) -> Callable:
     RNN, or code after a user's graph break), an accessor would be compiled as a frame of its
     own, recompiled per parameter shape and then traced with dynamic shard sizes. Skip it, and
     what it calls, as a top-level frame: it runs the eager markers, the reference path."""
-    from torch._dynamo.eval_frame import set_code_exec_strategy
-    from torch._dynamo.types import FrameAction, FrameExecStrategy
-
-    set_code_exec_strategy(fn.__code__, FrameExecStrategy(FrameAction.SKIP, FrameAction.SKIP))
-    return fn
+    return run_eagerly_when_called_from_eager_code(fn)
 
 
 @_eager_when_not_inlined
@@ -441,7 +438,8 @@ def shard(
     per_module: dict[nn.Module, dict[str, UnshardSpec]] = {}
     for module, name, fqn, param in slots:
         if id(param) not in sharded:
-            new_param, spec = _shard_param(param, fqn, len(sharded), mesh, strategy, policy)
+            new_param, spec = _shard_param(param, fqn, len(sharded), mesh, strategy,
+                                           _module_policy(module, policy))
             sharded[id(param)], specs[id(param)] = new_param, spec
         module._parameters[name] = sharded[id(param)]
         per_module.setdefault(module, {})[name] = specs[id(param)]
@@ -469,6 +467,17 @@ def _cast_forward_inputs(dtype: torch.dtype, module: nn.Module, args: tuple, kwa
         return x.to(dtype) if isinstance(x, torch.Tensor) and x.is_floating_point() else x
 
     return tree_map(to_compute, (args, kwargs))
+
+
+def _module_policy(module: nn.Module, policy: MixedPrecisionPolicy) -> MixedPrecisionPolicy:
+    """Normalisation layers with running statistics (BatchNorm, InstanceNorm) keep their
+    parameters' dtype under param_dtype, as FSDP1's MixedPrecision leaves _BatchNorm alone:
+    batch_norm needs its weight in the dtype of its fp32 running-statistics buffers (never cast)
+    and takes a bf16 input. Cast, eager fails ("expected scalar type BFloat16 but found Float")
+    and Inductor's decomposition computes in a mix of both."""
+    if policy.param_dtype is not None and isinstance(module, nn.modules.batchnorm._NormBase):
+        return replace(policy, param_dtype=None)
+    return policy
 
 
 def _shard_param(param: nn.Parameter, fqn: str, order: int, mesh: DeviceMesh,

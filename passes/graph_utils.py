@@ -6,12 +6,14 @@ collective, which wait belongs to it, how many bytes is it) are answered here, o
 
 from __future__ import annotations
 
+import heapq
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any, Callable, Iterable, Mapping
 
 import torch
 import torch.fx as fx
 from torch._subclasses.fake_tensor import FakeTensorMode, unset_fake_temporarily
+from torch.fx.experimental.symbolic_shapes import optimization_hint
 
 aten = torch.ops.aten
 c10d = torch.ops._c10d_functional
@@ -90,7 +92,12 @@ def tensor_val(node: Any) -> torch.Tensor | None:
 
 
 def tensor_bytes(t: torch.Tensor) -> int:
-    return int(t.numel()) * t.element_size()
+    """Bytes of a tensor; a symbolic size counts at its hint (an unbacked one at the size
+    Inductor assumes for one too), never guarding on it."""
+    numel = t.numel()
+    if isinstance(numel, torch.SymInt):
+        numel = optimization_hint(numel, fallback=8192)
+    return int(numel) * t.element_size()
 
 
 def node_bytes(node: fx.Node) -> int:
@@ -174,29 +181,54 @@ def node_order(graph: fx.Graph) -> dict[fx.Node, int]:
     return {node: index for index, node in enumerate(graph.nodes)}
 
 
-# --------------------------------------------------------------------------- reordering helpers
+# --------------------------------------------------------------------------- ordering
+
+
+def list_schedule(nodes: Iterable[fx.Node], priority: Mapping[fx.Node, float]) -> list[fx.Node]:
+    """The one ordering mechanism of passes/: repeatedly take, of the nodes whose inputs are
+    all taken, the one of least priority (ties: the earlier in `nodes`). Placeholders come
+    first, as FX expects. A policy is only a choice of priorities."""
+    nodes = list(nodes)
+    position = {node: index for index, node in enumerate(nodes)}
+    missing = {node: sum(arg in position for arg in node.all_input_nodes) for node in nodes}
+
+    def entry(node: fx.Node) -> tuple:
+        return (node.op != "placeholder", priority[node], position[node])
+
+    ready = [entry(node) for node in nodes if missing[node] == 0]
+    heapq.heapify(ready)
+    order: list[fx.Node] = []
+    while ready:
+        node = nodes[heapq.heappop(ready)[-1]]
+        order.append(node)
+        for user in node.users:
+            if user in missing:
+                missing[user] -= 1
+                if missing[user] == 0:
+                    heapq.heappush(ready, entry(user))
+    if len(order) != len(nodes):
+        raise RuntimeError("graph has a cycle; a pass produced an invalid graph")
+    return order
+
+
+def apply_order(graph: fx.Graph, order: list[fx.Node]) -> None:
+    """Move the graph's nodes into `order` (all of them, a topological order)."""
+    cursor = None
+    for node in order:
+        if cursor is None:
+            first = next(iter(graph.nodes))
+            if first is not node:
+                first.prepend(node)
+        elif cursor.next is not node:
+            cursor.append(node)
+        cursor = node
 
 
 def stable_topological_sort(graph: fx.Graph) -> None:
     """Re-sort so every node follows its inputs, moving as few nodes as possible: a node whose
-    input now comes later is deferred until just after that input (users move down)."""
-    pending = list(reversed(graph.nodes))
-    ready: set[fx.Node] = set()
-    waiting: dict[fx.Node, list[fx.Node]] = {}
-    cursor = None
-    while pending:
-        node = pending.pop()
-        waiting_for = [arg for arg in node.all_input_nodes if arg not in ready]
-        if waiting_for:
-            waiting.setdefault(waiting_for[-1], []).append(node)
-            continue
-        ready.add(node)
-        if cursor is not None and cursor.next is not node:
-            cursor.append(node)
-        cursor = node
-        pending.extend(reversed(waiting.pop(node, ())))
-    if waiting or len(ready) != len(graph.nodes):
-        raise RuntimeError("graph has a cycle; a pass produced an invalid graph")
+    input now comes later waits until that input is placed (users move down)."""
+    nodes = list(graph.nodes)
+    apply_order(graph, list_schedule(nodes, {node: index for index, node in enumerate(nodes)}))
 
 
 def hoist_before(anchor: fx.Node, node: fx.Node) -> None:

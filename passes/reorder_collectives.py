@@ -1,39 +1,43 @@
-"""Reorder collectives so communication hides behind compute, within a memory budget.
+"""Schedule collectives so communication hides behind compute, within a memory budget.
 
-One mechanism, three policies (all inputs of the pass):
-- all-gather waits sink to just before the first use of their result (copy-outs with them),
-  and each all-gather to just before its wait: the no-prefetch baseline;
-- all-gathers are prefetched: bucket k is issued right after bucket k-d is waited on, i.e.
-  before unit k-d's compute, for d <= `prefetch`. Of the allowed depths the pass takes the
-  shallowest whose compute (by the cost model) covers the gather's time, holding memory no longer
-  than needed, and never one that would put more than `max_inflight_mb` of prefetched
-  (issued, not yet needed) unsharded bytes in flight. Budget 0 means no prefetch;
-- reduce-scatters / all-reduces are issued as soon as their gradients exist and waited on just
-  before the next one is issued (at most one in flight), so the wait never blocks the next
-  unit's compute. A delayed reduction holds its unsharded input until its wait, so under a
-  budget it is delayed only if it fits beside the prefetched gathers in flight meanwhile;
-  otherwise it is waited on where it was issued.
-Nodes only move within what their data dependencies allow; the graph stays topologically valid.
+One list scheduler (graph_utils.list_schedule: repeatedly take the ready node of least
+priority), run with the sink policy alone for the baseline, then with every policy; the
+policies only choose priorities:
+- sink (the baseline): an all-gather, its wait and the copy-outs after it have no priority of
+  their own: they run just before their first user, wait and copy-outs as one block (copying
+  out one parameter at a time would keep the whole gathered buffer alive next to the copies).
+  Every other node keeps its place. Times and places below are slots of this baseline.
+- prefetch: bucket k's all-gather runs right after bucket k-d's wait, d <= `prefetch`: the
+  shallowest d whose compute (by the cost model) covers the gather's time, holding memory no
+  longer than needed, else the deepest d the budget allows; its inputs come with it. Gathers
+  issued at one point go in the order they are needed (one comm lane serves them in turn).
+- delay reduction waits: a reduce-scatter / all-reduce is waited on just before the next one
+  is issued (or at the end): at most one in flight, and its wait never blocks compute.
+The budget (`max_inflight_bytes`) bounds the bytes collectives hold in flight beyond need
+(prefetched gathers' outputs, delayed reductions' inputs), counted by the memory model that
+`graphshard dump` reports (passes/liveness.py); a prefetch or a delay that would exceed it is
+not made. Every rank must reach the same schedule, so only rank-invariant sizes decide.
 """
 
 from __future__ import annotations
 
+import itertools
 import math
 from dataclasses import dataclass
-from typing import Callable
+from typing import Callable, Mapping, Sequence
 
 import torch.fx as fx
 
 from passes.graph_utils import (
+    apply_order,
     collective_kind,
-    hoist_before,
+    finalize_graph,
     is_collective,
     is_wait,
-    finalize_graph,
-    stable_topological_sort,
-    unsharded_bytes,
+    list_schedule,
     wait_of,
 )
+from passes.liveness import Buffers
 
 NodeSeconds = Callable[[fx.Node], float]
 
@@ -41,10 +45,14 @@ NodeSeconds = Callable[[fx.Node], float]
 @dataclass(frozen=True)
 class ReorderPolicy:
     prefetch: int = 1  # max units ahead an all-gather may be issued
-    # unsharded bytes held in flight beyond need: prefetched gathers, delayed reductions' inputs
+    # bytes held in flight beyond need: prefetched gathers' outputs, delayed reductions' inputs
     max_inflight_bytes: float = math.inf
     compute_seconds: NodeSeconds | None = None  # cost model; None: always prefetch fully
     collective_seconds: NodeSeconds | None = None
+
+
+def _is_gather(node: fx.Node) -> bool:
+    return is_collective(node) and collective_kind(node) == "all_gather"
 
 
 def _output_chain(wait: fx.Node) -> list[fx.Node]:
@@ -63,107 +71,106 @@ def _output_chain(wait: fx.Node) -> list[fx.Node]:
     return chain
 
 
-def _sink_block(nodes: list[fx.Node]) -> None:
-    """Move a wait and its copy-out chain, as one block, to just before the first node outside
-    the block that uses any of them. As a block: copying out one parameter at a time would keep
-    the whole gathered buffer alive next to the copies."""
-    block = set(nodes)
-    outside_users = [user for node in nodes for user in node.users if user not in block]
-    if not outside_users:
-        return
-    first_user = min(outside_users)  # fx.Node compares by graph position
-    for node in sorted(nodes):
-        first_user.prepend(node)
+def _sink_priorities(nodes: Sequence[fx.Node]) -> dict[fx.Node, float]:
+    """Sink policy: a node keeps its place (its index), except gathers and their wait blocks,
+    which take the place of their first user outside the block."""
+    blocks = [[wait_of(n), *_output_chain(wait_of(n))] for n in nodes if _is_gather(n)]
+    block_of = {node: index for index, block in enumerate(blocks) for node in block}
+    lazy = set(block_of) | {block[0].args[0] for block in blocks}
+    priority: dict[fx.Node, float] = {}
+    block_need = [math.inf] * len(blocks)
+    for index in reversed(range(len(nodes))):  # users before their inputs
+        node = nodes[index]
+        block = block_of.get(node)
+        needed = min((priority[u] for u in node.users
+                      if block is None or block_of.get(u) != block), default=math.inf)
+        if block is not None:
+            block_need[block] = min(block_need[block], needed)
+            needed = block_need[block]  # the wait, processed last of its block, sees it all
+        priority[node] = needed if node in lazy and needed < math.inf else index
+    for block, need in zip(blocks, block_need):
+        for node in block:
+            priority[node] = need if need < math.inf else priority[node]
+    return priority
 
 
-def sink_gather_waits(gm: fx.GraphModule) -> None:
-    for collective in [n for n in gm.graph.nodes if is_collective(n) and collective_kind(n) == "all_gather"]:
-        wait = wait_of(collective)
-        _sink_block([wait, *_output_chain(wait)])
-        # Start from "issue at first use" (the partitioner may have placed a recomputed gather
-        # anywhere earlier); prefetching then happens only by policy, within the budget.
-        wait.prepend(collective)
+def _pull_inputs(nodes: Sequence[fx.Node], priority: dict[fx.Node, float],
+                 fixed: Mapping[fx.Node, float]) -> dict[fx.Node, float]:
+    """A node runs no later than its users need it: inputs of an early node come early too."""
+    for node in reversed(nodes):
+        if node not in fixed:
+            priority[node] = min([priority[node], *(priority[u] for u in node.users)])
+    return priority
 
 
-def _compute_between(gm: fx.GraphModule, start: fx.Node, end: fx.Node, seconds: NodeSeconds) -> float:
-    # Only compute on full (gathered) tensors counts: our own prep nodes work on local shards,
-    # whose sizes differ between ranks with uneven shards, and every rank must reach the same
-    # schedule (collectives issued in a different order on different ranks hang).
-    total, node = 0.0, start.next
-    while node is not end and node.op != "root":
-        if not is_collective(node) and not is_wait(node) and "graphshard_role" not in node.meta:
-            total += seconds(node)
-        node = node.next
-    return total
-
-
-# A prefetched gather's extra time in flight: (issue node, original issue node, bytes).
-Interval = tuple[fx.Node, fx.Node, int]
-
-
-def _most_in_flight(intervals: list[Interval], start: fx.Node, end: fx.Node) -> int:
-    """Most bytes of `intervals` held at one time within [start, end): the peak is at `start` or
-    where an interval begins (an interval is held from its issue to before its original node)."""
+def _most_in_flight(intervals: list[tuple[float, float, int]], start: float, end: float) -> int:
+    """Most bytes of `intervals` ([from, to) slots, bytes) held at one time within [start, end):
+    the peak is at `start` or where an interval begins."""
     points = [start] + [s for s, _, _ in intervals if start < s < end]
-    return max(sum(b for s, e, b in intervals if not point < s and point < e) for point in points)
+    return max(sum(b for s, e, b in intervals if s <= point < e) for point in points)
 
 
-def prefetch_all_gathers(gm: fx.GraphModule, policy: ReorderPolicy) -> list[Interval]:
-    """Hoist gathers by policy; returns the intervals each one is now in flight for longer."""
-    gathers = [n for n in gm.graph.nodes if is_collective(n) and collective_kind(n) == "all_gather"]
-    intervals: list[Interval] = []
+def _prefetch_slots(baseline: Sequence[fx.Node], policy: ReorderPolicy, buffers: Buffers
+                    ) -> tuple[dict[fx.Node, float], list[tuple[float, float, int]]]:
+    """Prefetch policy: the slot each prefetched gather is issued at, and the intervals of
+    extra time its output is held for."""
+    issue: dict[fx.Node, float] = {}
+    intervals: list[tuple[float, float, int]] = []
+    if policy.prefetch == 0 or policy.max_inflight_bytes <= 0:
+        return issue, intervals
+    slot = {node: index for index, node in enumerate(baseline)}
+    # Only compute on full (gathered) tensors counts as cover: our own prep nodes work on local
+    # shards, whose sizes differ between ranks with uneven shards, and every rank must reach
+    # the same schedule (collectives issued in a different order on different ranks hang).
+    seconds = [policy.compute_seconds(n) if policy.compute_seconds and not is_collective(n)
+               and not is_wait(n) and "graphshard_role" not in n.meta else 0.0 for n in baseline]
+    before = [0.0, *itertools.accumulate(seconds)]  # before[i]: compute in slots < i
+    gathers = [n for n in baseline if _is_gather(n)]
     for index, gather in enumerate(gathers):
-        if policy.prefetch == 0 or policy.max_inflight_bytes <= 0:
-            break
-        wait = wait_of(gather)
-        nbytes = unsharded_bytes(gather)
-        candidates = []  # deepest first
-        for depth in range(min(policy.prefetch, index), 0, -1):
-            anchor = wait_of(gathers[index - depth]).next  # just after the earlier bucket's wait
-            candidates.append(anchor)
-        candidates = [a for a in candidates if a < gather]  # nodes compare by position
-        if not candidates:
-            continue
-
-        def inflight_at(anchor: fx.Node) -> int:
-            # most prefetched bytes simultaneously in flight if this gather is issued at anchor
-            return nbytes + _most_in_flight(intervals, anchor, gather)
-
-        allowed = [a for a in candidates if inflight_at(a) <= policy.max_inflight_bytes]
+        wait, nbytes = slot[wait_of(gather)], buffers.held_in_flight(gather)
+        # just after an earlier bucket's wait, deepest first
+        anchors = [slot[wait_of(gathers[index - depth])] + 0.5
+                   for depth in range(min(policy.prefetch, index), 0, -1)]
+        allowed = [a for a in anchors if a < slot[gather]
+                   and nbytes + _most_in_flight(intervals, a, wait) <= policy.max_inflight_bytes]
         if not allowed:
             continue
         chosen = allowed[0]
         if policy.compute_seconds and policy.collective_seconds:
             needed = policy.collective_seconds(gather)
-            for anchor in reversed(allowed):  # shallowest first: hold memory only as needed
-                if _compute_between(gm, anchor, wait, policy.compute_seconds) >= needed:
-                    chosen = anchor
-                    break
-        original_position = gather.next
-        hoist_before(chosen, gather)
-        intervals.append((gather, original_position, nbytes))
-    return intervals
+            # shallowest first: hold memory only as long as needed
+            chosen = next((a for a in reversed(allowed)
+                           if before[wait] - before[math.ceil(a)] >= needed), chosen)
+        issue[gather] = chosen
+        intervals.append((chosen, wait, nbytes))
+    return issue, intervals
 
 
-def delay_reduction_waits(gm: fx.GraphModule, max_inflight_bytes: float = math.inf,
-                          prefetched: list[Interval] = ()) -> None:
-    reductions = [n for n in gm.graph.nodes if is_collective(n) and collective_kind(n) != "all_gather"]
-    output = next(n for n in reversed(gm.graph.nodes) if n.op == "output")
-    for index, collective in enumerate(reductions):
-        wait = wait_of(collective)
-        # wait just before the next reduction is issued (or at the end): never block compute
-        anchor = reductions[index + 1] if index + 1 < len(reductions) else output
-        # held meanwhile: this reduction's input and the prefetched gathers in flight beside it
-        held = unsharded_bytes(collective) + _most_in_flight(prefetched, collective, anchor)
-        if held > max_inflight_bytes:
-            continue
-        if wait.next is not anchor:
-            anchor.prepend(wait)
-    stable_topological_sort(gm.graph)  # users of moved waits follow them down
+def _reduction_wait_slots(baseline: Sequence[fx.Node], budget: float, buffers: Buffers,
+                          prefetched: list[tuple[float, float, int]]) -> dict[fx.Node, float]:
+    """Delay policy: the slot each delayed reduction is waited at (just before the next
+    reduction, or the output), if its input fits beside the prefetched gathers meanwhile."""
+    slot = {node: index for index, node in enumerate(baseline)}
+    reductions = [n for n in baseline if is_collective(n) and not _is_gather(n)]
+    ends = [slot[r] for r in reductions[1:]] + [slot[baseline[-1]]]  # baseline[-1]: output
+    delayed = {}
+    for reduction, end in zip(reductions, ends):
+        held = buffers.held_in_flight(reduction) + _most_in_flight(prefetched, slot[reduction], end)
+        if held <= budget:
+            delayed[wait_of(reduction)] = end - 0.5
+    return delayed
 
 
 def reorder_collectives(gm: fx.GraphModule, policy: ReorderPolicy) -> fx.GraphModule:
-    sink_gather_waits(gm)
-    prefetched = prefetch_all_gathers(gm, policy)
-    delay_reduction_waits(gm, policy.max_inflight_bytes, prefetched)
+    nodes = list(gm.graph.nodes)
+    # Start from "issue at first use" (the partitioner may have placed a recomputed gather
+    # anywhere earlier); prefetching then happens only by policy, within the budget.
+    baseline = list_schedule(nodes, _sink_priorities(nodes))
+    buffers = Buffers(gm)
+    issue, prefetched = _prefetch_slots(baseline, policy, buffers)
+    delayed = _reduction_wait_slots(baseline, policy.max_inflight_bytes, buffers, prefetched)
+    priority = {node: float(index) for index, node in enumerate(baseline)}
+    priority.update(issue)
+    priority.update(delayed)
+    apply_order(gm.graph, list_schedule(baseline, _pull_inputs(baseline, priority, delayed)))
     return finalize_graph(gm)

@@ -12,8 +12,12 @@ import torch
 import torch.distributed as dist
 from torch.fx.experimental.proxy_tensor import make_fx
 
+from graphshard import calibrate as calibration
 from graphshard import cost_model as cm
 from graphshard.cost_model import ClusterSpec
+from graphshard.simulator import graph_estimate
+from graphshard.theory import theoretical_comm_bytes
+from passes.liveness import memory_estimate
 
 aten = torch.ops.aten
 c10d = torch.ops._c10d_functional
@@ -233,7 +237,7 @@ def test_prefetched_collective_is_hidden_waited_one_is_exposed(fake_pg):
     mm = 2 * 128 ** 3 / 1e9  # 4.2 ms of compute vs ~1 ms of comm
     assert mm > comm
 
-    hidden = cm.graph_estimate(prefetched, SPEC)
+    hidden = graph_estimate(prefetched, SPEC)
     (c,) = hidden.collectives
     assert c.dur_s == pytest.approx(comm) and c.issue_s == 0.0
     assert c.exposed_s < c.dur_s and c.exposed_s == pytest.approx(0.0)
@@ -241,7 +245,7 @@ def test_prefetched_collective_is_hidden_waited_one_is_exposed(fake_pg):
     assert hidden.exposed_comm_s == pytest.approx(0.0)
     assert hidden.total_s == pytest.approx(mm)
 
-    exposed = cm.graph_estimate(waited, SPEC)
+    exposed = graph_estimate(waited, SPEC)
     (c,) = exposed.collectives
     assert c.exposed_s == pytest.approx(c.dur_s) and c.hidden_s == pytest.approx(0.0)
     assert exposed.exposed_comm_s == pytest.approx(comm)
@@ -252,7 +256,7 @@ def test_prefetched_collective_is_hidden_waited_one_is_exposed(fake_pg):
     assert {e["name"] for e in trace} == {"all_gather_into_tensor", "wait_tensor", "mm"}
     assert all(e["dur"] > 0 for e in trace)
     # At world size 1 the collective is free; the graph is pure compute.
-    assert cm.graph_estimate(waited, SPEC, world_size=1).total_s == pytest.approx(mm)
+    assert graph_estimate(waited, SPEC, world_size=1).total_s == pytest.approx(mm)
 
 
 def test_collectives_queue_on_one_comm_lane(fake_pg):
@@ -262,7 +266,7 @@ def test_collectives_queue_on_one_comm_lane(fake_pg):
         return c10d.wait_tensor(fa), c10d.wait_tensor(fb)
 
     gm = make_fx(f, tracing_mode="fake")(torch.randn(1024), torch.randn(1024))
-    est = cm.graph_estimate(gm, SPEC)
+    est = graph_estimate(gm, SPEC)
     first, second = est.collectives
     assert second.issue_s == 0.0 and second.start_s == pytest.approx(first.dur_s)
     assert est.total_s == pytest.approx(first.dur_s + second.dur_s)
@@ -279,10 +283,10 @@ def test_peak_memory_hand_computed():
         return b.view(32, 32).sum()  # view free; sum +4, b freed
 
     gm = make_fx(f, tracing_mode="fake")(torch.randn(1024))
-    mem = cm.memory_estimate(gm)
+    mem = memory_estimate(gm)
     assert (mem.placeholder_bytes, mem.peak_transient_bytes, mem.peak_bytes) == (4096, 8192, 12288)
     assert mem.peak_node == "add"
-    assert cm.graph_estimate(gm, SPEC).peak_memory_bytes == 12288
+    assert graph_estimate(gm, SPEC).peak_memory_bytes == 12288
 
 
 def test_peak_memory_views_and_waits_alias(fake_pg):
@@ -294,7 +298,7 @@ def test_peak_memory_views_and_waits_alias(fake_pg):
         return z, full.view(8, 100)
 
     gm = make_fx(f, tracing_mode="fake")(torch.randn(1024), torch.randn(100))
-    mem = cm.memory_estimate(gm)
+    mem = memory_estimate(gm)
     assert mem.placeholder_bytes == 4096 + 400
     assert mem.peak_transient_bytes == 6144
     assert mem.peak_node == "add"
@@ -310,7 +314,7 @@ def test_a_collective_holds_its_input_until_its_wait(fake_pg):
     gm = make_fx(f, tracing_mode="fake")(torch.randn(1024))
     (exchange,) = _nodes(gm, c10d.all_to_all_single.default)
     exchange.meta["graphshard_lowered_from"] = "all_gather"  # as the transport stage marks it
-    mem = cm.memory_estimate(gm)
+    mem = memory_estimate(gm)
     assert mem.peak_transient_bytes == 3 * 4096 and mem.peak_node == "add"
 
 
@@ -319,33 +323,33 @@ def test_a_collective_holds_its_input_until_its_wait(fake_pg):
 
 def test_theoretical_comm_bytes_formulas():
     p = 1000
-    fs = cm.theoretical_comm_bytes("full_shard", p, N)
+    fs = theoretical_comm_bytes("full_shard", p, N)
     assert sympy.simplify(fs["total"] - 3 * p * (N - 1) / N) == 0
     assert fs["all_reduce"] == 0
     for strategy in ("full_shard", "shard_grad_op", "no_shard"):
-        sym = cm.theoretical_comm_bytes(strategy, p, N)
-        num = cm.theoretical_comm_bytes(strategy, p, 8)
+        sym = theoretical_comm_bytes(strategy, p, N)
+        num = theoretical_comm_bytes(strategy, p, 8)
         for key in ("all_gather", "reduce_scatter", "all_reduce", "total"):
             assert float(sympy.sympify(sym[key]).subs(N, 8)) == pytest.approx(num[key])
-    assert cm.theoretical_comm_bytes("shard_grad_op", p, 2) == {
+    assert theoretical_comm_bytes("shard_grad_op", p, 2) == {
         "all_gather": 500.0, "reduce_scatter": 500.0, "all_reduce": 0.0, "total": 1000.0}
-    assert cm.theoretical_comm_bytes("no_shard", p, 4)["all_reduce"] == 1500.0
-    assert cm.theoretical_comm_bytes("hybrid_shard", p, 16, shard_size=4) == {
+    assert theoretical_comm_bytes("no_shard", p, 4)["all_reduce"] == 1500.0
+    assert theoretical_comm_bytes("hybrid_shard", p, 16, shard_size=4) == {
         "all_gather": 1500.0, "reduce_scatter": 750.0, "all_reduce": 375.0, "total": 2625.0}
-    assert cm.theoretical_comm_bytes("full_shard", p, 2, trainable_bytes=400) == {
+    assert theoretical_comm_bytes("full_shard", p, 2, trainable_bytes=400) == {
         "all_gather": 1000.0, "reduce_scatter": 200.0, "all_reduce": 0.0, "total": 1200.0}
     s = sympy.Symbol("S", positive=True, integer=True)
-    hy = cm.theoretical_comm_bytes("hybrid_shard", p, N, shard_size=s)
+    hy = theoretical_comm_bytes("hybrid_shard", p, N, shard_size=s)
     assert float(hy["total"].subs({N: 16, s: 4})) == pytest.approx(2625.0)
 
 
 def test_theoretical_comm_bytes_errors():
     with pytest.raises(ValueError, match="unknown strategy 'zero2'.*full_shard"):
-        cm.theoretical_comm_bytes("zero2", 1, 2)
+        theoretical_comm_bytes("zero2", 1, 2)
     with pytest.raises(ValueError, match="shard_size"):
-        cm.theoretical_comm_bytes("hybrid_shard", 1, 8)
+        theoretical_comm_bytes("hybrid_shard", 1, 8)
     with pytest.raises(ValueError, match="divide"):
-        cm.theoretical_comm_bytes("hybrid_shard", 1, 8, shard_size=3)
+        theoretical_comm_bytes("hybrid_shard", 1, 8, shard_size=3)
 
 
 # --------------------------------------------------------------------------- calibration
@@ -363,7 +367,7 @@ def test_fit_alpha_beta_recovers_line():
 def test_calibrate_two_gloo_processes(tmp_path):
     samples = []
     # sizes far apart (1 KiB, 8 MiB): on a shared, noisy machine 1 MiB can time like 1 KiB
-    spec = cm.calibrate(world_size=2, sizes=(1 << 10, 1 << 23), repeats=5, samples=samples)
+    spec = calibration.calibrate(world_size=2, sizes=(1 << 10, 1 << 23), repeats=5, samples=samples)
     assert [b for b, _ in samples] == [1 << 10, 1 << 23]
     for name in ("latency_s", "bandwidth_Bps", "flops_per_s", "memory_bandwidth_Bps",
                  "kernel_overhead_s"):
@@ -377,11 +381,11 @@ def test_calibrate_cli(tmp_path, monkeypatch, capsys):
         samples.extend([(1024, 0.36e-3), (4 << 20, 3e-3)])
         return ClusterSpec.default()
 
-    monkeypatch.setattr(cm, "calibrate", fake_calibrate)
+    monkeypatch.setattr(calibration, "calibrate", fake_calibrate)
     out = tmp_path / "machine.json"
-    assert cm.main(["--world-size", "2", "--out", str(out)]) == 0
+    assert calibration.main(["--world-size", "2", "--out", str(out)]) == 0
     printed = capsys.readouterr().out
     assert "latency_s" in printed and "measured ms" in printed and str(out) in printed
     assert ClusterSpec.from_json(out) == ClusterSpec.default()
     with pytest.raises(SystemExit):
-        cm.main(["--world-size", "1"])
+        calibration.main(["--world-size", "1"])

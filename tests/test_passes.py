@@ -3,23 +3,23 @@
 from __future__ import annotations
 
 import math
-from types import SimpleNamespace
 
 import pytest
 import torch
 import torch.fx as fx
 from torch._subclasses.fake_tensor import FakeTensorMode
 
-from graphshard.cost_model import memory_estimate
 from graphshard.models import build_model
 from graphshard.options import GraphshardOptions
+from passes.context import PassContext
 from passes.bucket_collectives import bucket_collectives, plan_buckets
 from passes.graph_utils import (
     ALL_GATHER, REDUCE_SCATTER, GraphEmitter, aten, collective_params, dim0_chunk, is_collective,
-    is_wait, node_order, wait_of,
+    is_wait, list_schedule, node_order, wait_of,
 )
+from passes.liveness import memory_estimate
 from passes.lowering import lower_reduce_grad, lower_unshard
-from passes.markers import ReduceSpec, UnshardSpec
+from passes.markers import UnshardSpec
 from passes.reorder_collectives import ReorderPolicy, reorder_collectives
 from tests.capture import call_nodes, capture_step
 
@@ -60,7 +60,7 @@ def gather_graph(world: int, params, use_order=None, backward=False) -> fx.Graph
 
 
 def ctx(**options):
-    return SimpleNamespace(options=GraphshardOptions(**options), param_order={})
+    return PassContext("forward", GraphshardOptions(**options))
 
 
 def test_size_cap_splits_a_unit_into_ceil_total_over_cap_buckets():
@@ -80,7 +80,7 @@ def test_packing_follows_registration_order_not_use_order():
     use = ["layers.0.w2", "layers.0.w0", "layers.0.w3", "layers.0.w1"]
     order = {name: index for index, (name, _, _) in enumerate(params)}
     gm = gather_graph(8, params, use_order=use)
-    context = SimpleNamespace(options=GraphshardOptions(bucket_mb=64), param_order=order)
+    context = PassContext("forward", GraphshardOptions(bucket_mb=64), param_order=order)
     (gather,) = call_nodes(bucket_collectives(gm, context), ALL_GATHER)
     assert collective_params(gather) == tuple(name for name, _, _ in params)
 
@@ -172,6 +172,37 @@ def test_reduction_waits_are_delayed_only_within_the_budget():
             in_flight = _compute_nodes_between(gm, current, wait_of(current))
             assert bool(in_flight) is delayed
             assert wait_of(current) < following
+
+
+def test_list_schedule_takes_the_ready_node_of_least_priority():
+    graph = fx.Graph()
+    x = graph.placeholder("x")
+    a = graph.call_function(torch.neg, (x,))
+    b = graph.call_function(torch.exp, (x,))
+    c = graph.call_function(torch.add, (a, b))
+    graph.output(c)
+    nodes = list(graph.nodes)
+    # b is wanted first, c only once both inputs are placed, the placeholder always first
+    order = list_schedule(nodes, {x: 9, a: 2, b: 1, c: 0, nodes[-1]: 3})
+    assert order == [x, b, a, c, nodes[-1]]
+    cyclic = fx.Graph()
+    p = cyclic.placeholder("p")
+    u = cyclic.call_function(torch.neg, (p,))
+    v = cyclic.call_function(torch.exp, (u,))
+    u.args = (v,)
+    with pytest.raises(RuntimeError, match="cycle"):
+        list_schedule([p, u, v], {p: 0, u: 1, v: 2})
+
+
+def test_gathers_prefetched_at_one_point_are_issued_in_the_order_they_are_needed():
+    params = [(f"layers.{i}.w", (64, 64), torch.float32) for i in range(4)]
+    gm = reorder_collectives(bucket_collectives(gather_graph(8, params), ctx(bucket_mb=64)),
+                             ReorderPolicy(prefetch=2))
+    gathers = call_nodes(gm, ALL_GATHER)
+    assert [collective_params(g) for g in gathers] == [(name,) for name, _, _ in params]
+    # layers.1 and layers.2 are both issued right after layers.0's wait
+    assert wait_of(gathers[0]).next in (gathers[1], gathers[1].args[0])
+    assert _compute_nodes_between(gm, gathers[1], gathers[2]) == []
 
 
 def _inflight_peak(gm) -> int:
@@ -345,3 +376,21 @@ def test_a_run_closes_when_another_unit_of_the_same_kind_intervenes_even_in_anot
     assert [(b.unit, [collective_params(m)[0] for m in b.members]) for b in plan] == [
         ("<other 1>", ["emb.weight"]), ("layers.0", ["layers.0.w"]), ("layers.1", ["layers.1.w"]),
         ("<other 2>", ["head.weight"])]
+
+
+def test_a_stage_run_out_of_order_fails_loudly(monkeypatch):
+    from graphshard import backend
+
+    stages = {stage.name: stage for stage in backend.PIPELINE}
+    swapped = tuple(stages[name] for name in
+                    ("merged", "tagged", "partitioned", "lowered", "scheduled", "bucketed", "transport"))
+    monkeypatch.setattr(backend, "PIPELINE", swapped)
+    graph = gather_graph(8, [("layers.0.w", (16, 4), torch.float32)])
+    with pytest.raises(RuntimeError, match="stage 'scheduled' needs \\['bucketed'\\]"):
+        backend.run_pipeline(graph, PassContext("forward", GraphshardOptions()))
+    monkeypatch.undo()
+    ran = backend.run_pipeline(gather_graph(8, [("layers.0.w", (16, 4), torch.float32)]),
+                               PassContext("forward", GraphshardOptions(bucket_mb=0),
+                                           cluster=backend.ClusterSpec.default()))
+    assert ran.meta["graphshard_stages"] == tuple(s for s in backend.STAGES
+                                                   if s not in ("merged", "tagged"))

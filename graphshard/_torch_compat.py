@@ -1,0 +1,99 @@
+"""Every private torch API graphshard's compiler and runtime use, in one place.
+
+Each entry says what it is for and what public API would replace it. torch 2.13 is the version
+the test suite runs on (pyproject pins it); a torch upgrade starts by re-checking this file.
+"""
+
+from __future__ import annotations
+
+from contextlib import contextmanager
+from typing import Any, Callable, Sequence
+
+import torch.fx as fx
+
+
+def aot_autograd_backend(**kwargs) -> Callable:
+    """AOTAutograd with our forward/backward compilers and partition function.
+    Public replacement: none (torch.compile exposes backends, not AOTAutograd's hooks)."""
+    from torch._dynamo.backends.common import aot_autograd
+
+    return aot_autograd(**kwargs)
+
+
+def boxed(fn: Callable) -> Callable:
+    """Wrap a graph's forward in AOTAutograd's boxed calling convention (compiler="eager").
+    Public replacement: none."""
+    from torch._functorch.aot_autograd import make_boxed_func
+
+    return make_boxed_func(fn)
+
+
+def inductor_partition(joint: fx.GraphModule, joint_inputs, **kwargs):
+    """Inductor's min-cut partitioner (it honours the recompute tags we set on the joint graph).
+    Public replacement: none."""
+    from torch._inductor.compile_fx import partition_fn
+
+    return partition_fn(joint, joint_inputs, **kwargs)
+
+
+def inductor_compile_graph(gm: fx.GraphModule, example_inputs: Sequence[Any], graph_kind: str):
+    """Inductor on one already-partitioned graph, without its peak-memory reordering: that pass
+    knows nothing of collectives, and shard sizes differ by rank (uneven shards), so it could
+    undo our schedule or order collectives differently on different ranks (a hang).
+    Public replacement: none (torch.compile's Inductor takes whole Dynamo graphs)."""
+    from torch._inductor import config as inductor_config
+    from torch._inductor.compile_fx import compile_fx_inner
+
+    with inductor_config.patch(reorder_for_peak_memory=False):
+        return compile_fx_inner(gm, example_inputs, is_backward=graph_kind == "backward",
+                                is_inference=graph_kind == "inference")
+
+
+def inductor_compile(gm: fx.GraphModule, example_inputs: Sequence[Any]):
+    """Inductor on a whole Dynamo graph (a model graphshard did not shard).
+    Public replacement: torch._dynamo.lookup_backend("inductor") is no more public."""
+    from torch._inductor.compile_fx import compile_fx
+
+    return compile_fx(gm, example_inputs)
+
+
+def inductor_decompositions() -> dict:
+    """The decomposition table Inductor lowers after; AOTAutograd must decompose with it or
+    compile_fx_inner fails ("both a fallback and a decomp for same op"). Also imports Inductor's
+    lowerings, which some decompositions consult (max_pool2d_with_indices) and which nothing
+    else imports under compiler="eager". Public replacement: none."""
+    import torch._inductor.lowering  # noqa: F401
+    from torch._inductor.decomposition import select_decomp_table
+
+    return select_decomp_table()
+
+
+@contextmanager
+def fake_mode_of_inputs(example_inputs: Sequence[Any]):
+    """Make the inputs' fake mode Inductor's current one while AOTAutograd traces (Inductor's
+    decompositions read it). Public replacement: none."""
+    from torch._guards import detect_fake_mode
+    from torch._inductor.virtualized import V
+
+    with V.set_fake_mode(detect_fake_mode(example_inputs)):
+        yield
+
+
+def short_traceback_error() -> type:
+    """Dynamo re-raises this exception type as is, instead of wrapping it in
+    BackendCompilerFailed: our option errors stay the first line the user reads.
+    Public replacement: none."""
+    from torch._dynamo.exc import ShortenTraceback
+
+    return ShortenTraceback
+
+
+def run_eagerly_when_called_from_eager_code(fn: Callable) -> Callable:
+    """Dynamo still inlines `fn` inside compiled frames but never compiles it as a frame of its
+    own (SKIP for the frame and what it calls). Public replacement: torch.compiler.disable would
+    also stop the inlining (a graph break), which is not what we want."""
+    from torch._dynamo.eval_frame import set_code_exec_strategy
+    from torch._dynamo.types import FrameAction, FrameExecStrategy
+
+    set_code_exec_strategy(fn.__code__, FrameExecStrategy(FrameAction.SKIP, FrameAction.SKIP))
+    return fn

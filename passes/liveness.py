@@ -1,0 +1,124 @@
+"""The memory model: which buffers each node's value keeps alive, and what they add up to.
+
+One model for the scheduler (what a collective holds in flight) and for `graphshard dump` (the
+predicted per-rank peak), so the budget the scheduler keeps is the memory the user is shown.
+"""
+
+from __future__ import annotations
+
+import operator
+from dataclasses import dataclass
+from typing import Any, Iterable
+
+import torch
+import torch.fx as fx
+
+from passes.graph_utils import collective_kind, is_collective, is_wait, tensor_bytes
+
+
+@dataclass(frozen=True)
+class MemoryEstimate:
+    placeholder_bytes: int  # graph inputs and constants: live for the whole graph
+    peak_transient_bytes: int  # peak of what the graph itself allocates
+    peak_bytes: int  # placeholder_bytes + peak_transient_bytes
+    peak_node: str | None  # the node at which the transient peak occurs
+
+
+def _graph(gm: fx.GraphModule | fx.Graph) -> fx.Graph:
+    return gm.graph if isinstance(gm, fx.GraphModule) else gm
+
+
+def _aliases_input(node: fx.Node) -> bool:
+    """True if the node's output shares storage with an input (views, in-place ops, waits)."""
+    if is_wait(node) or node.target is operator.getitem:
+        return True
+    if node.target is torch.ops.aten._unsafe_view.default:  # a view in practice, not by schema
+        return True
+    schema = getattr(node.target, "_schema", None)
+    return schema is not None and any(r.alias_info is not None for r in schema.returns)
+
+
+class Buffers:
+    """Storages, not nodes: a node that allocates gets one buffer per tensor it returns; a
+    view, an in-place op or a wait shares its input's buffers; getitem picks one output's.
+    Inputs and constants (placeholder, get_attr) are the caller's: live throughout."""
+
+    def __init__(self, gm: fx.GraphModule | fx.Graph):
+        self.sizes: list[int] = []
+        self.owned: dict[fx.Node, tuple[int, ...]] = {}  # buffers a node's value keeps alive
+        self.inputs: set[int] = set()
+        per_output: dict[fx.Node, list[tuple[int, ...]]] = {}  # multi-output allocations
+        for node in _graph(gm).nodes:
+            val = node.meta.get("val")
+            if node.op == "get_attr" and val is None and isinstance(gm, fx.GraphModule):
+                val = getattr(gm, str(node.target), None)
+            if node.op in ("placeholder", "get_attr"):
+                self.owned[node] = self._new(val)
+                self.inputs.update(self.owned[node])
+            elif node.op == "call_function" and _aliases_input(node):
+                src = node.args[0] if node.args else None
+                if node.target is operator.getitem and src in per_output:
+                    self.owned[node] = per_output[src][node.args[1]]
+                else:
+                    self.owned[node] = self.owned.get(src, ()) if isinstance(src, fx.Node) else ()
+            elif node.op in ("call_function", "call_module", "call_method"):
+                if isinstance(val, (tuple, list)):
+                    per_output[node] = [self._new(v) for v in val]
+                    self.owned[node] = tuple(b for bufs in per_output[node] for b in bufs)
+                else:
+                    self.owned[node] = self._new(val)
+
+    def _new(self, val: Any) -> tuple[int, ...]:
+        tensors = [v for v in (val if isinstance(val, (tuple, list)) else [val])
+                   if isinstance(v, torch.Tensor)]
+        self.sizes.extend(tensor_bytes(t) for t in tensors)
+        return tuple(range(len(self.sizes) - len(tensors), len(self.sizes)))
+
+    def bytes_of(self, nodes: Iterable[fx.Node]) -> int:
+        """Bytes of the distinct buffers the values of `nodes` keep alive."""
+        buffers = {b for node in nodes for b in self.owned.get(node, ())}
+        return sum(self.sizes[b] for b in buffers)
+
+    def held_in_flight(self, collective: fx.Node) -> int:
+        """What a collective keeps allocated from issue to wait: an all-gather its output,
+        a reduction its input (read until it completes)."""
+        if collective_kind(collective) == "all_gather":
+            return self.bytes_of([collective])
+        return self.bytes_of(collective.all_input_nodes)
+
+
+def memory_estimate(gm: fx.GraphModule | fx.Graph) -> MemoryEstimate:
+    """Liveness walk over buffers in node order: a buffer is freed after the last node that
+    uses anything sharing it (outputs stay to the end); a collective reads its input until its
+    wait."""
+    buffers = Buffers(gm)
+    nodes = list(_graph(gm).nodes)
+    index = {n: i for i, n in enumerate(nodes)}
+    born: dict[int, int] = {}
+    last_use: dict[int, int] = {}
+    for node in nodes:
+        for b in buffers.owned.get(node, ()):
+            born.setdefault(b, index[node])
+            last_use[b] = max(last_use.get(b, 0), index[node])
+        done = index[node]
+        if is_collective(node):
+            done = max((index[u] for u in node.users if is_wait(u)), default=done)
+        for user_input in node.all_input_nodes:
+            for b in buffers.owned.get(user_input, ()):
+                last_use[b] = max(last_use[b], done)
+
+    frees: dict[int, list[int]] = {}
+    for b, i in last_use.items():
+        frees.setdefault(i, []).append(b)
+    born_at: dict[int, list[int]] = {}
+    for b, i in born.items():
+        born_at.setdefault(i, []).append(b)
+    placeholder_bytes = sum(buffers.sizes[b] for b in buffers.inputs)
+    live = peak = 0
+    peak_node = None
+    for i, node in enumerate(nodes):
+        live += sum(buffers.sizes[b] for b in born_at.get(i, ()) if b not in buffers.inputs)
+        if live > peak:
+            peak, peak_node = live, node.name
+        live -= sum(buffers.sizes[b] for b in frees.get(i, ()) if b not in buffers.inputs)
+    return MemoryEstimate(placeholder_bytes, peak, placeholder_bytes + peak, peak_node)
