@@ -33,6 +33,8 @@ import torch.multiprocessing as mp
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
+from graphshard._torch_compat import allow_recompiles, compile_counters
+
 from bench.measure import analyze, measured_step, memory_profile
 from bench.methods import MethodUnavailable, method
 from bench.workload import Workload, build_workload
@@ -133,7 +135,7 @@ def _agree(status: dict[str, str]) -> dict[str, str]:
 
 def _dynamo_counts() -> dict[str, int]:
     """Process-wide compile counters: graphs, graph breaks, compile-cache hits and misses."""
-    counters = torch._dynamo.utils.counters
+    counters = compile_counters()
     counts = {"graphs": counters["stats"]["unique_graphs"],
               "graph_breaks": sum(counters["graph_break"].values())}
     for group, prefix in (("inductor", "fxgraph_cache_"), ("aot_autograd", "autograd_cache_")):
@@ -257,8 +259,7 @@ def _worker(rank: int, cfg: BenchConfig, phase: str, port: int, out_path: str) -
         torch.set_num_threads(cfg.threads_per_rank)
         # Several compiled methods trace the same forward code objects; do not let Dynamo's
         # per-code recompile limit fall back to eager for the later ones.
-        torch._dynamo.config.recompile_limit = 64
-        torch._dynamo.config.accumulated_recompile_limit = 4096
+        allow_recompiles(per_code=64, total=4096)
         mesh = init_device_mesh("cpu", (cfg.nproc,))
         workload = build_workload(cfg.model, cfg.batch, cfg.seq, cfg.seed, dict(cfg.model_args))
         inputs = workload.local_inputs(rank, cfg.nproc)

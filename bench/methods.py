@@ -69,7 +69,7 @@ def _simple_fsdp(model: nn.Module, mesh: DeviceMesh) -> nn.Module:
 
 def _graphshard_backend() -> object:
     """The backend name if its entry point is registered, else the entry point's target."""
-    if "graphshard" in torch._dynamo.list_backends():
+    if "graphshard" in torch.compiler.list_backends():
         return "graphshard"
     try:
         from graphshard.backend import graphshard_backend

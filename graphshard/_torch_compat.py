@@ -97,3 +97,36 @@ def run_eagerly_when_called_from_eager_code(fn: Callable) -> Callable:
 
     set_code_exec_strategy(fn.__code__, FrameExecStrategy(FrameAction.SKIP, FrameAction.SKIP))
     return fn
+
+
+def process_group_size(group_name: str) -> int:
+    """Size of a live process group known only by the name a functional collective carries
+    (all_reduce nodes carry no size). Public replacement: none (groups by name are private)."""
+    from torch.distributed.distributed_c10d import _resolve_process_group
+
+    return _resolve_process_group(group_name).size()
+
+
+def backward_compiled_with_forward():
+    """Compile the backward graph together with the forward (as AOT compile does), so `graphshard
+    dump` sees both graphs without running any. Public replacement: none."""
+    import torch._functorch.config as functorch_config
+
+    return functorch_config.patch(force_non_lazy_backward_lowering=True)
+
+
+def compile_counters() -> dict:
+    """Dynamo/Inductor/AOTAutograd counters (graphs, graph breaks, cache hits and misses) for the
+    bench. Public replacement: none (torch._dynamo.utils.counters)."""
+    import torch._dynamo.utils
+
+    return torch._dynamo.utils.counters
+
+
+def allow_recompiles(per_code: int, total: int) -> None:
+    """Raise Dynamo's recompile limits (the bench compiles one forward under many methods).
+    Public replacement: none (torch._dynamo.config)."""
+    import torch._dynamo.config
+
+    torch._dynamo.config.recompile_limit = per_code
+    torch._dynamo.config.accumulated_recompile_limit = total

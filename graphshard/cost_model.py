@@ -259,8 +259,8 @@ def _group_size(node: fx.Node, world_size: GroupSizes) -> Any:
         return size
     # all_reduce carries no group size: ask the live process group (e.g. a fake one) for it.
     try:
-        from torch.distributed.distributed_c10d import _resolve_process_group
-        return _resolve_process_group(name).size()
+        from graphshard._torch_compat import process_group_size
+        return process_group_size(name)
     except Exception:
         raise ValueError(f"cannot tell the group size of {node.name} (group {name!r} is not a "
                          "live process group and the node has no 'graphshard_group_size' meta); "

@@ -291,8 +291,8 @@ def capture(model, inputs: tuple, options, stages: Sequence[str],
     observer stops the compilation once the final backward graph is recorded. `progress` is
     told when each graph has been captured and when its passes are done."""
     import torch
-    import torch._functorch.config as functorch_config
 
+    from graphshard._torch_compat import backward_compiled_with_forward
     from graphshard.backend import STAGES, GraphshardCompiler
 
     result = Capture()
@@ -321,16 +321,16 @@ def capture(model, inputs: tuple, options, stages: Sequence[str],
 
     # Inductor would only consume the final graphs: skip it, run exactly the backend's passes.
     compiler = GraphshardCompiler(dataclasses.replace(options, compiler="eager"), observe)
-    torch._dynamo.reset()
+    torch.compiler.reset()
     try:
         compiled = torch.compile(model, backend=compiler, fullgraph=True)
-        with functorch_config.patch(force_non_lazy_backward_lowering=True):
+        with backward_compiled_with_forward():
             compiled(*inputs)
     except Exception as e:
         if not _caused_by(e, _CaptureComplete):
             raise
     finally:
-        torch._dynamo.reset()
+        torch.compiler.reset()
     if "forward" not in result.final:
         raise RuntimeError("the graphshard backend never saw a sharded graph "
                            "(no parameter read reached torch.compile)")
