@@ -130,3 +130,21 @@ def allow_recompiles(per_code: int, total: int) -> None:
 
     torch._dynamo.config.recompile_limit = per_code
     torch._dynamo.config.accumulated_recompile_limit = total
+
+
+def init_fake_process_group(world_size: int, rank: int = 0) -> None:
+    """A process group of any world size in one process, whose collectives do nothing: how
+    `graphshard dump` traces a cluster it does not have. Public replacement: the "fake" backend
+    is built in, but is registered (with its store) only by torch's testing package."""
+    import torch.distributed as dist
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world_size)
+
+
+def fake_tensor_mode():
+    """Tensors with shapes and dtypes but no storage (dump's parameters and inputs).
+    Public replacement: none (torch._subclasses)."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    return FakeTensorMode(allow_non_fake_inputs=True)

@@ -615,11 +615,10 @@ def dump(workload: Workload, *, world_size: int, strategy: str = "full_shard", o
     `progress`: told what the long phases are doing (the CLI prints it to stderr)."""
     import torch
     import torch.distributed as dist
-    from torch._subclasses.fake_tensor import FakeTensorMode
     from torch.distributed.device_mesh import init_device_mesh
-    from torch.testing._internal.distributed.fake_pg import FakeStore
 
     import graphshard
+    from graphshard._torch_compat import fake_tensor_mode, init_fake_process_group
     from graphshard.backend import PIPELINE, STAGES
     from graphshard.cost_model import ClusterSpec, value_bytes
     from graphshard.simulator import graph_estimate
@@ -642,9 +641,9 @@ def dump(workload: Workload, *, world_size: int, strategy: str = "full_shard", o
         raise DumpError("a torch.distributed process group is already initialised; "
                         "graphshard dump makes its own fake one")
 
-    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=world_size)
+    init_fake_process_group(world_size)
     try:
-        _to_fake(workload, FakeTensorMode(allow_non_fake_inputs=True))
+        _to_fake(workload, fake_tensor_mode())
         mesh = (init_device_mesh("cpu", (world_size // shard_size, shard_size),
                                  mesh_dim_names=("replicate", "shard"))
                 if strategy == "hybrid_shard" else init_device_mesh("cpu", (world_size,)))

@@ -12,6 +12,8 @@ from typing import Any, Callable, Iterable, Mapping
 
 import torch
 import torch.fx as fx
+# Private torch API (passes/ import nothing of graphshard, whose _torch_compat.py lists the rest):
+# fake tensors are how a pass computes the shapes of the nodes it emits; no public API exists.
 from torch._subclasses.fake_tensor import FakeTensorMode, unset_fake_temporarily
 from torch.fx.experimental.symbolic_shapes import optimization_hint
 
