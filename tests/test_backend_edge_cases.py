@@ -4,6 +4,7 @@ local gloo processes where numerics need real collectives)."""
 from __future__ import annotations
 
 import copy
+import functools
 
 import pytest
 import torch
@@ -13,12 +14,12 @@ import torch.nn as nn
 from torch.utils.checkpoint import checkpoint
 
 import graphshard
-from graphshard.backend import GraphshardCompiler
 from graphshard.launch import run_local
-from graphshard.options import GraphshardOptions
 from passes.graph_utils import (
     ALL_GATHER, ALL_REDUCE, REDUCE_SCATTER, collective_params, is_reduce_grad, is_unshard,
 )
+from tests.capture import GraphCapture
+from tests.workers import Training, reference, train
 
 EAGER_PASSES = {"compiler": "eager"}
 
@@ -118,23 +119,20 @@ def _checkpointed_step(rank: int, world: int):
     Dynamo graph's markers per (sub)graph, the lowered graphs' collectives, the full grads."""
     torch.manual_seed(0)
     model = graphshard.shard(AllCheckpointed())
-    lowered = {}
-    compiler = GraphshardCompiler(
-        GraphshardOptions(compiler="eager"),
-        lambda kind, stage, gm: lowered.__setitem__(kind, _collectives(gm)) if stage == "lowered" else None)
+    capture = GraphCapture(stages=("lowered",), keep=_collectives)
     markers = {}
 
     def backend(gm, example_inputs):
         for name, module in gm.named_modules():
             if isinstance(module, fx.GraphModule):
                 markers[name] = sum(is_unshard(n) for n in module.graph.nodes)
-        return compiler(gm, example_inputs)
+        return capture.backend(gm, example_inputs)
 
     per = CHECKPOINT_BATCH.shape[0] // world
     torch.compile(model, backend=backend, fullgraph=True)(
         CHECKPOINT_BATCH[rank * per:(rank + 1) * per]).backward()
     grads = {name: p.grad.full_tensor() for name, p in model.named_parameters()}
-    return markers, lowered, grads
+    return markers, {kind: found for (kind, _), found in capture.graphs.items()}, grads
 
 
 def test_parameters_read_only_inside_a_checkpointed_region_still_go_through_the_pipeline():
@@ -183,13 +181,40 @@ def test_rnn_modules_use_the_sharded_parameters(gloo1):
     assert all(p.grad is not None for p in model.parameters())
 
 
+class _GRUHead(nn.Module):
+    """A GRU (which Dynamo does not trace: it runs eagerly inside the compiled model) and a
+    linear head (compiled); 21-row GRU weights shard unevenly at world size 2."""
+
+    def __init__(self):
+        super().__init__()
+        self.rnn = nn.GRU(5, 7, batch_first=True)
+        self.head = nn.Linear(7, 3)
+
+    def forward(self, x):
+        out, _ = self.rnn(x)
+        return self.head(out[:, -1])
+
+
+RNN_BATCHES = (6, 6, 10)  # global batch per step: the size changes, so the frame recompiles
+
+
+def _rnn_data(step):
+    gen = torch.Generator().manual_seed(3)
+    return ([torch.randn(b, 4, 5, generator=gen) for b in RNN_BATCHES][step],)
+
+
+def _square_mean(out, x):
+    return out.square().mean()
+
+
 def test_an_rnn_inside_a_compiled_model_trains_like_the_reference_across_batch_sizes():
     # Dynamo runs the GRU eagerly; its parameter reads must run the eager markers (not be
     # compiled as frames of their own, which recompiled with dynamic shard sizes and failed).
-    from tests.workers import reference_rnn, train_rnn_compiled
-
-    expected = reference_rnn()
-    for params in run_local(train_rnn_compiled, 2):
-        assert params.keys() == expected.keys()
-        for name, value in params.items():
+    run = Training(model=_GRUHead, data=_rnn_data, loss=_square_mean, steps=len(RNN_BATCHES),
+                   optimizer=functools.partial(torch.optim.SGD, lr=0.1), compile=EAGER_PASSES,
+                   fullgraph=False)
+    expected = reference(run).params
+    for [result] in run_local(train, 2, [run]):
+        assert result.params.keys() == expected.keys()
+        for name, value in result.params.items():
             assert torch.allclose(value, expected[name], atol=1e-5), name

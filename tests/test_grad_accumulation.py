@@ -3,17 +3,16 @@ larger batch; the no-sync backward graph reduces nothing."""
 
 from __future__ import annotations
 
-import copy
+import functools
 
 import pytest
 import torch
 
 import graphshard
-from graphshard.backend import GraphshardCompiler
 from graphshard.launch import run_local
-from graphshard.options import GraphshardOptions
 from passes.graph_utils import ALL_GATHER, ALL_REDUCE, REDUCE_SCATTER
-from tests.workers import ADAMW_DEFAULT_EPS, LR, reference_zoo
+from tests.capture import GraphCapture
+from tests.workers import EAGER, Training, reference, train, zoo_training
 from tests.zoo import Zoo, zoo_batch, zoo_loss
 
 K, STEPS, BATCH = 3, 2, 12
@@ -29,18 +28,14 @@ def _counts(gm):
 def test_no_sync_graph_has_no_reduction(fake_pg):
     model = Zoo()
     graphshard.shard(model)
-    graphs = []
-    compiler = GraphshardCompiler(
-        GraphshardOptions(compiler="eager"),
-        observer=lambda kind, stage, gm: graphs.append((kind, copy.deepcopy(gm)))
-        if stage == "lowered" else None)
-    compiled = torch.compile(model, backend=compiler, fullgraph=True)
+    capture = GraphCapture(stages=("lowered",))
+    compiled = capture.compile(model)
     tokens = zoo_batch(4)
 
     def step():
-        graphs.clear()
+        capture.graphs.clear()
         zoo_loss(compiled(tokens), tokens).backward()
-        return {kind: _counts(gm) for kind, gm in graphs}
+        return {kind: _counts(gm) for (kind, _), gm in capture.graphs.items()}
 
     with graphshard.no_sync(model):
         no_sync = step()
@@ -68,55 +63,23 @@ def test_mode_switch_errors(fake_pg):
 # --------------------------------------------------------------------------- gloo numerics
 
 
-def _accumulate(rank, world, modes):
-    results = []
-    for compiled, api in modes:
-        torch.manual_seed(0)
-        model = Zoo()
-        graphshard.shard(model)
-        opt = torch.optim.AdamW(model.parameters(), lr=LR)
-        fn = torch.compile(model, backend="graphshard", options={"compiler": "eager"},
-                           fullgraph=True) if compiled else model
-        per = BATCH // world
-        micro = zoo_batch(BATCH)[rank * per:(rank + 1) * per].chunk(K)
-        grads = []
-        for _ in range(STEPS):
-            if api == "setter":
-                for i, batch in enumerate(micro):
-                    graphshard.set_requires_gradient_sync(model, i == K - 1)
-                    if i < K - 1:
-                        (zoo_loss(fn(batch), batch) / K).backward()
-                        # nothing reduced, nothing written to the sharded .grad yet
-                        assert all(p.grad is None for p in model.parameters())
-                    else:
-                        (zoo_loss(fn(batch), batch) / K).backward()
-            else:
-                with graphshard.no_sync(model):
-                    for batch in micro[:-1]:
-                        (zoo_loss(fn(batch), batch) / K).backward()
-                        assert all(p.grad is None for p in model.parameters())
-                (zoo_loss(fn(micro[-1]), micro[-1]) / K).backward()
-            grads.append({n: p.grad.full_tensor() for n, p in model.named_parameters()
-                          if p.grad is not None})
-            opt.step()
-            opt.zero_grad()
-        results.append((grads, {n: p.full_tensor() for n, p in model.named_parameters()}))
-        torch._dynamo.reset()
-    return results
-
-
 def test_accumulation_matches_large_batch():
-    reference = reference_zoo(STEPS, BATCH, eps=ADAMW_DEFAULT_EPS, max_norm=None)
-    ref_grads, ref_params = reference.grads, reference.params
-    modes = [(False, "context"), (False, "setter"), (True, "context"), (True, "setter")]
-    for rank_results in run_local(_accumulate, 2, modes):
-        for mode, (grads, params) in zip(modes, rank_results):
-            for step, ref in enumerate(ref_grads):
-                assert set(grads[step]) == set(ref), mode
-                for name, g in ref.items():
-                    assert (grads[step][name] - g).abs().max().item() < 1e-5, (mode, step, name)
-            for name, p in ref_params.items():
-                assert (params[name] - p).abs().max().item() < 1e-5, (mode, name)
+    # eager and compiled; micro-batches before the last under no_sync, or with the sync set off
+    modes = [(compile, api) for compile in (None, EAGER)
+             for api in ("no_sync", "set_requires_gradient_sync")]
+    runs = [zoo_training(STEPS, compile=compile, micro_batches=K, accumulation=api, record_grads=True)
+            for compile, api in modes]
+    ref = reference(zoo_training(STEPS))  # one K-times larger batch
+    for rank_results in run_local(train, 2, runs):
+        for mode, result in zip(modes, rank_results):
+            # nothing reduced, nothing written to the sharded .grad before the last micro-batch
+            assert result.early_grads == [], mode
+            for step, expected in enumerate(ref.grads):
+                assert set(result.grads[step]) == set(expected), mode
+                for name, g in expected.items():
+                    assert (result.grads[step][name] - g).abs().max().item() < 1e-5, (mode, step, name)
+            for name, p in ref.params.items():
+                assert (result.params[name] - p).abs().max().item() < 1e-5, (mode, name)
 
 
 class _Attention(torch.nn.Module):
@@ -132,34 +95,27 @@ class _Attention(torch.nn.Module):
         return self.head(self.attn(x, x, x)[0].mean(1))
 
 
-def _attention_batches():
+def _attention_data(step):
+    """Two batches of 4 one after the other: each rank's two micro-batches come from one of them."""
     gen = torch.Generator().manual_seed(1)
-    return [(torch.randn(4, 5, 8, generator=gen), torch.randn(4, 3, generator=gen)) for _ in range(2)]
+    return torch.randn(8, 5, 8, generator=gen), torch.randn(8, 3, generator=gen)
 
 
-def _attention_grads(rank, world, compiled):
-    torch.manual_seed(0)
-    model = graphshard.shard(_Attention())
-    fn = torch.compile(model, backend="graphshard", options={"compiler": "eager"}) if compiled else model
-    per = 4 // world
-    (x0, y0), (x1, y1) = [(x[rank * per:(rank + 1) * per], y[rank * per:(rank + 1) * per])
-                          for x, y in _attention_batches()]
-    with graphshard.no_sync(model):
-        (torch.nn.functional.mse_loss(fn(x0), y0) / 2).backward()
-    (torch.nn.functional.mse_loss(fn(x1), y1) / 2).backward()
-    return {n: p.grad.full_tensor() for n, p in model.named_parameters()}
+def _mse(out, x, y):
+    return torch.nn.functional.mse_loss(out, y)
 
 
 def test_accumulation_is_exact_when_a_parameter_is_read_without_reaching_the_loss():
-    torch.manual_seed(0)
-    reference = _Attention()
-    for x, y in _attention_batches():
-        (torch.nn.functional.mse_loss(reference(x), y) / 2).backward()
-    expected = {n: p.grad for n, p in reference.named_parameters()}
-    for compiled in (False, True):
-        for grads in run_local(_attention_grads, 2, compiled):
+    runs = [Training(model=_Attention, data=_attention_data, loss=_mse, steps=1, compile=compile,
+                     fullgraph=False, optimizer=functools.partial(torch.optim.SGD, lr=0.1),
+                     micro_batches=2, record_grads=True)
+            for compile in (None, EAGER)]
+    [expected] = reference(runs[0]).grads
+    for rank_results in run_local(train, 2, runs):
+        for compile, result in zip((None, EAGER), rank_results):
+            [grads] = result.grads
             for name, g in expected.items():
-                assert (grads[name] - g).abs().max().item() < 1e-5, (compiled, name)
+                assert (grads[name] - g).abs().max().item() < 1e-5, (compile, name)
 
 
 def test_a_no_sync_block_left_by_an_exception_drops_its_sums_without_communicating(fake_pg):

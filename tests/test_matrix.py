@@ -17,13 +17,56 @@ and it is a bf16 run at all (its loss differs from fp32's by more than fp32 nois
 
 from __future__ import annotations
 
+import dataclasses
+import functools
 import itertools
+from dataclasses import dataclass
 
 import pytest
 import torch
 
 from graphshard.launch import run_local
-from tests.matrix_workers import Config, max_differences, reference, train_rank
+from tests.workers import TrainResult, Training, gpt_data, reference, train
+from tests.zoo import TinyGPT, zoo_loss
+
+STEPS, GLOBAL_BATCH, LR = 2, 24, 0.05
+TRANSPORTS = {
+    "native": {"all_gather": "native", "reduce_scatter": "native"},  # the path NCCL users run
+    "all_to_all": {"all_gather": "all_to_all", "reduce_scatter": "all_to_all"},
+    "auto": {},
+}
+
+
+@dataclass(frozen=True)
+class Config:
+    strategy: str  # full_shard, shard_grad_op, no_shard, hybrid_shard (2 x world/2 mesh)
+    bf16: bool  # bf16 parameters for compute, fp32 reduction
+    ac: str  # none, full, selective
+    accumulate: bool  # two micro-batches per step, the first under no_sync
+    transport: str  # a key of TRANSPORTS
+
+    def __str__(self):
+        return (f"{self.strategy}/{'bf16' if self.bf16 else 'fp32'}/ac={self.ac}/"
+                f"{'accum' if self.accumulate else 'noaccum'}/{self.transport}")
+
+    def training(self, world: int) -> Training:
+        """SGD on TinyGPT under the default compiler (Inductor), full gradients each step."""
+        low = dict(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if self.bf16 else {}
+        return Training(
+            model=functools.partial(TinyGPT, self.ac), data=functools.partial(gpt_data, batch=GLOBAL_BATCH),
+            loss=zoo_loss, optimizer=functools.partial(torch.optim.SGD, lr=LR), steps=STEPS,
+            strategy=self.strategy, compile=TRANSPORTS[self.transport], record_grads=True,
+            mesh_shape=(2, world // 2) if self.strategy == "hybrid_shard" else None,
+            micro_batches=2 if self.accumulate else 1, **low)
+
+
+def max_differences(run: TrainResult, ref: TrainResult) -> tuple[float, float, float]:
+    """(loss, gradient, parameter) largest absolute differences, over steps and elements."""
+    loss = max(abs(a - b) for a, b in zip(run.losses, ref.losses))
+    grad = max((g[n] - r[n]).abs().max().item() for g, r in zip(run.grads, ref.grads) for n in r)
+    param = max((run.params[n] - ref.params[n]).abs().max().item() for n in ref.params)
+    return loss, grad, param
+
 
 F, G, N, H = "full_shard", "shard_grad_op", "no_shard", "hybrid_shard"
 FP32, BF16 = False, True
@@ -59,12 +102,13 @@ def test_matrix_covers_every_pair_of_feature_values():
 
 def _check(config: Config, world: int, run) -> str:
     parts = world * (2 if config.accumulate else 1)
-    fp32_ref = reference(config.ac, bf16=False)
+    training = config.training(world)
+    fp32_ref = reference(dataclasses.replace(training, param_dtype=None, reduce_dtype=None))
     if not config.bf16:
         loss, grad, param = max_differences(run, fp32_ref)
         assert max(loss, grad, param) < FP32_TOL, (str(config), loss, grad, param)
         return f"{config} world {world}: loss {loss:.1e} grad {grad:.1e} param {param:.1e}"
-    bf16_ref = reference(config.ac, bf16=True, parts=parts)
+    bf16_ref = reference(training, parts=parts)
     ours = max_differences(run, fp32_ref)
     eager_bf16 = max_differences(bf16_ref, fp32_ref)
     for what, mine, theirs in zip(("loss", "grad", "param"), ours, eager_bf16):
@@ -83,7 +127,7 @@ def _groups(per_spawn: int = 4):
 
 @pytest.mark.parametrize("world, configs", _groups())
 def test_matrix_matches_single_process_under_inductor(world, configs):
-    per_rank = run_local(train_rank, world, configs)
+    per_rank = run_local(train, world, [config.training(world) for config in configs])
     for rank_runs in per_rank[1:]:  # every rank saw the same global numbers
         for run, first in zip(rank_runs, per_rank[0]):
             assert run.losses == first.losses

@@ -3,18 +3,18 @@ param_dtype, reduce gradients in reduce_dtype, fp32 master parameters and optimi
 
 from __future__ import annotations
 
-import copy
+import functools
 
 import pytest
 import torch
 
 import graphshard
-from graphshard.backend import GraphshardCompiler
 from graphshard.launch import run_local
 from graphshard.models import build_llama, cross_entropy_loss
-from graphshard.options import GraphshardOptions
 from passes.graph_utils import ALL_GATHER, REDUCE_SCATTER
 from passes.lowering import CAST
+from tests.capture import GraphCapture
+from tests.workers import EAGER, Training, reference, train
 
 TINY = dict(batch=4, seq_len=8, dim=32, n_layers=2, n_heads=4, n_kv_heads=2, ffn_hidden=48,
             vocab_size=64)
@@ -37,17 +37,13 @@ def test_graph_dtypes_and_one_cast_per_gather(fake_pg, policy):
               else dict(mixed_precision=graphshard.MixedPrecisionPolicy(torch.bfloat16,
                                                                         torch.float32)))
     graphshard.shard(model, **kwargs)
-    graphs = {}
-    compiler = GraphshardCompiler(
-        GraphshardOptions(compiler="eager"),
-        observer=lambda kind, stage, gm: graphs.__setitem__(kind, copy.deepcopy(gm))
-        if stage == "lowered" else None)
-    out = torch.compile(model, backend=compiler, fullgraph=True)(tokens)
+    capture = GraphCapture(stages=("lowered",))
+    out = capture.compile(model)(tokens)
     assert out.dtype == torch.bfloat16  # compute ran in param_dtype
     cross_entropy_loss(out, tokens).backward()
     n_params = len(list(model.parameters()))
     for kind in ("forward", "backward"):
-        gm = graphs[kind]
+        gm = capture.graphs[(kind, "lowered")]
         gathers = [n for n in gm.graph.nodes if n.target is ALL_GATHER]
         assert len(gathers) == n_params if kind == "forward" else gathers
         for gather in gathers:
@@ -60,7 +56,8 @@ def test_graph_dtypes_and_one_cast_per_gather(fake_pg, policy):
                            and n.args[0].op == "placeholder"
                            and n.meta["val"].dtype == torch.bfloat16]
         assert len(casts_of_inputs) == len(gathers)  # once per gather, not once per use
-    scatters = [n for n in graphs["backward"].graph.nodes if n.target is REDUCE_SCATTER]
+    scatters = [n for n in capture.graphs[("backward", "lowered")].graph.nodes
+                if n.target is REDUCE_SCATTER]
     assert len(scatters) == n_params
     assert all(n.args[0].meta["val"].dtype == torch.float32 for n in scatters)
     for param in model.parameters():  # master weights and gradients stay fp32, sharded
@@ -73,61 +70,38 @@ def test_graph_dtypes_and_one_cast_per_gather(fake_pg, policy):
 # --------------------------------------------------------------------------- gloo numerics
 
 
-def _reference():
-    """Single process, fp32 master weights; each step computes with a bf16 copy of them."""
-    master, tokens = _tiny_llama()
-    opt = torch.optim.SGD(master.parameters(), lr=LR)
-    losses = []
-    for _ in range(STEPS):
-        low = copy.deepcopy(master).to(torch.bfloat16)
-        loss = cross_entropy_loss(low(tokens), tokens)
-        loss.backward()
-        for p, q in zip(master.parameters(), low.parameters()):
-            p.grad = q.grad.float()
-        opt.step()
-        opt.zero_grad()
-        losses.append(loss.item())
-    return losses, {n: p.detach().clone() for n, p in master.named_parameters()}
+def _llama_model():
+    return _tiny_llama()[0]
 
 
-def _train(rank, world, configs):
-    results = []
-    for compiled in configs:
-        model, tokens = _tiny_llama()
-        graphshard.shard(model, param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
-        opt = torch.optim.SGD(model.parameters(), lr=LR)
-        fn = torch.compile(model, backend="graphshard", options={"compiler": "eager"},
-                           fullgraph=True) if compiled else model
-        per = tokens.shape[0] // world
-        local = tokens[rank * per:(rank + 1) * per]
-        losses = []
-        for _ in range(STEPS):
-            loss = cross_entropy_loss(fn(local), local)
-            loss.backward()
-            assert all(p.grad.dtype == torch.float32 for p in model.parameters())
-            opt.step()
-            opt.zero_grad()
-            torch.distributed.all_reduce(loss)
-            losses.append(loss.item() / world)
-        assert all(p.to_local().dtype == torch.float32 for p in model.parameters())
-        results.append((losses, {n: p.full_tensor() for n, p in model.named_parameters()}))
-        torch._dynamo.reset()
-    return results
+def _llama_data(step):
+    return (_tiny_llama()[1],)
+
+
+def _training(compile: dict | None) -> Training:
+    """SGD with bf16 parameters for compute, fp32 reduction."""
+    return Training(model=_llama_model, data=_llama_data, loss=cross_entropy_loss,
+                    optimizer=functools.partial(torch.optim.SGD, lr=LR), steps=STEPS,
+                    compile=compile, param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
 
 
 def test_bf16_matches_bf16_reference():
-    ref_losses, ref_params = _reference()
-    configs = [False, True]
-    per_rank = run_local(_train, 2, configs)
+    # Single process, fp32 master weights; each step computes with a bf16 copy of them.
+    ref = reference(_training(None))
+    configs = [None, EAGER]
+    per_rank = run_local(train, 2, [_training(compile) for compile in configs])
     for rank_results in per_rank:
-        for compiled, (losses, params) in zip(configs, rank_results):
-            for a, b in zip(losses, ref_losses):
-                assert abs(a - b) <= LOSS_RTOL * abs(b), (compiled, losses, ref_losses)
-            for name, ref in ref_params.items():
-                assert (params[name] - ref).abs().max().item() < PARAM_ATOL, (compiled, name)
+        for compile, result in zip(configs, rank_results):
+            # fp32 gradients (each step) and master parameters, sharded like the parameters
+            assert result.grad_problems == [], compile
+            assert all(p.dtype == torch.float32 for p in result.params.values()), compile
+            for a, b in zip(result.losses, ref.losses):
+                assert abs(a - b) <= LOSS_RTOL * abs(b), (compile, result.losses, ref.losses)
+            for name, expected in ref.params.items():
+                assert (result.params[name] - expected).abs().max().item() < PARAM_ATOL, (compile, name)
     # The eager and compiled paths run the same lowering: they agree far more tightly.
     eager, compiled = per_rank[0]
-    assert max(abs(a - b) for a, b in zip(eager[0], compiled[0])) < 1e-3
+    assert max(abs(a - b) for a, b in zip(eager.losses, compiled.losses)) < 1e-3
 
 
 def _mlp():
