@@ -3,25 +3,10 @@
 from __future__ import annotations
 
 import argparse
-import ast
 import sys
 
 from bench.methods import DEFAULT_METHODS, METHODS, method
-from bench.workload import MODEL_NAMES, ModelUnavailable, build_workload
-
-
-def _model_args(text: str) -> tuple[tuple[str, object], ...]:
-    """'dim=32,n_layers=1' -> (('dim', 32), ('n_layers', 1)); values are Python literals."""
-    pairs = []
-    for item in filter(None, text.split(",")):
-        key, sep, value = item.partition("=")
-        if not sep:
-            raise argparse.ArgumentTypeError(f"expected KEY=VALUE, got {item!r}")
-        try:
-            pairs.append((key.strip(), ast.literal_eval(value.strip())))
-        except (ValueError, SyntaxError):
-            pairs.append((key.strip(), value.strip()))
-    return tuple(pairs)
+from bench.workload import MODEL_NAMES, ModelUnavailable, build_workload, parse_model_args
 
 
 def _known(name: str) -> bool:
@@ -47,7 +32,7 @@ def _parser() -> argparse.ArgumentParser:
                     "graphshard and its peers, interleaved in one run on N local gloo processes.",
     )
     p.add_argument("--model", default="transformer", choices=MODEL_NAMES)
-    p.add_argument("--model-args", type=_model_args, default=(), metavar="K=V,...",
+    p.add_argument("--model-args", type=parse_model_args, default=(), metavar="K=V,...",
                    help="model config overrides, e.g. dim=32,n_layers=1")
     p.add_argument("--nproc", type=int, default=2, help="world size (local processes)")
     p.add_argument("--methods", type=_methods, default=DEFAULT_METHODS,

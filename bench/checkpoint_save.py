@@ -18,7 +18,6 @@ checkpoint, as a training run's `latest` would) in a temporary directory.
 from __future__ import annotations
 
 import argparse
-import ast
 import statistics
 import tempfile
 import time
@@ -28,6 +27,8 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+
+from bench.workload import parse_model_args
 
 MODES = ("none", "sync", "async")
 
@@ -112,19 +113,6 @@ def summarize(result: dict[str, Any]) -> dict[str, dict[str, float]]:
     return summary
 
 
-def _model_args(text: str) -> tuple[tuple[str, Any], ...]:
-    pairs = []
-    for item in filter(None, text.split(",")):
-        key, sep, value = item.partition("=")
-        if not sep:
-            raise argparse.ArgumentTypeError(f"expected KEY=VALUE, got {item!r}")
-        try:
-            pairs.append((key.strip(), ast.literal_eval(value.strip())))
-        except (ValueError, SyntaxError):
-            pairs.append((key.strip(), value.strip()))
-    return tuple(pairs)
-
-
 def main(argv: list[str] | None = None) -> int:
     from graphshard.launch import run_local
 
@@ -132,7 +120,7 @@ def main(argv: list[str] | None = None) -> int:
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--nproc", type=int, default=2)
     p.add_argument("--model", default="transformer")
-    p.add_argument("--model-args", type=_model_args, default=(), metavar="K=V,...")
+    p.add_argument("--model-args", type=parse_model_args, default=(), metavar="K=V,...")
     p.add_argument("--batch", type=int, default=8)
     p.add_argument("--seq", type=int, default=32)
     p.add_argument("--steps", type=int, default=30, help="timed steps per mode per round")

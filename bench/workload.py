@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import argparse
+import ast
 from dataclasses import dataclass
 from typing import Callable
 
@@ -74,3 +76,17 @@ def transformer_blocks(model: nn.Module) -> nn.ModuleList:
         if name.rsplit(".", 1)[-1] == "layers" and isinstance(module, nn.ModuleList):
             return module
     raise ValueError(f"{type(model).__name__} has no `layers` ModuleList of blocks")
+
+
+def parse_model_args(text: str) -> tuple[tuple[str, object], ...]:
+    """'dim=32,n_layers=1' -> (('dim', 32), ('n_layers', 1)); values are Python literals."""
+    pairs = []
+    for item in filter(None, text.split(",")):
+        key, sep, value = item.partition("=")
+        if not sep:
+            raise argparse.ArgumentTypeError(f"expected KEY=VALUE, got {item!r}")
+        try:
+            pairs.append((key.strip(), ast.literal_eval(value.strip())))
+        except (ValueError, SyntaxError):
+            pairs.append((key.strip(), value.strip()))
+    return tuple(pairs)

@@ -634,16 +634,8 @@ def _check_compatible(path: Path, saved: dict[str, Any], model_state: dict[str, 
         if isinstance(value, torch.Tensor) and isinstance(md, TensorStorageMetadata) \
                 and tuple(md.size) != tuple(value.shape):
             mismatched.append(f"{key}: checkpoint {tuple(md.size)} vs model {tuple(value.shape)}")
-    problems = []
-    if missing:
-        problems.append(f"missing keys (in the model, not in the checkpoint): {missing}")
-    if unexpected:
-        problems.append(f"unexpected keys (in the checkpoint, not in the model): {unexpected}")
-    if mismatched:
-        problems.append(f"shape mismatch: {'; '.join(mismatched)}")
-    if problems:
-        raise CheckpointError(f"checkpoint at {path} does not fit this model (is it another "
-                              f"model's?): " + "; ".join(problems))
+    _raise_if_unfit(missing, unexpected, mismatched, "checkpoint",
+                    f"checkpoint at {path} does not fit this model (is it another model's?)")
 
 
 def load(
@@ -997,16 +989,8 @@ def _pretrained_plan(model: nn.Module, tensors: dict[str, st.TensorInfo], path: 
     # still hold one (rotary inv_freq): it is neither read nor unexpected.
     unexpected = [name for name in tensors if name not in known and name not in transient_names]
     uninitialised = [name for module, local, name in transient if module._buffers[local].is_meta]
-    problems = []
-    if missing:
-        problems.append(f"missing (in the model, not in the file): {missing}")
-    if unexpected:
-        problems.append(f"unexpected (in the file, not in the model): {unexpected}")
-    if mismatched:
-        problems.append(f"shape mismatch: {'; '.join(mismatched)}")
-    if problems:
-        raise CheckpointError(f"pretrained weights at {path} do not fit this model: "
-                              + "; ".join(problems))
+    _raise_if_unfit(missing, unexpected, mismatched, "file",
+                    f"pretrained weights at {path} do not fit this model")
     if uninitialised and init_fn is None:
         raise CheckpointError(
             f"buffers {uninitialised} are on the meta device and not in {path} (non-persistent: "
@@ -1139,3 +1123,17 @@ def main(argv: list[str] | None = None) -> int:
         return 1
     print(f"wrote {len(names)} tensors to {args.out}")
     return 0
+
+
+def _raise_if_unfit(missing: list, unexpected: list, mismatched: list, source: str,
+                    headline: str) -> None:
+    """One CheckpointError naming every key that does not fit, before anything is loaded."""
+    problems = []
+    if missing:
+        problems.append(f"missing (in the model, not in the {source}): {missing}")
+    if unexpected:
+        problems.append(f"unexpected (in the {source}, not in the model): {unexpected}")
+    if mismatched:
+        problems.append(f"shape mismatch: {'; '.join(mismatched)}")
+    if problems:
+        raise CheckpointError(f"{headline}: " + "; ".join(problems))

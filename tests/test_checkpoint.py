@@ -608,8 +608,8 @@ def test_checkpoint_of_another_model(saved):
     with pytest.raises(checkpoint.CheckpointError) as info:
         checkpoint.load(saved[0] / "ckpt", model)
     message = str(info.value)
-    assert "missing keys" in message and "'extra.weight'" in message
-    assert "unexpected keys" in message and "'gate.weight'" in message
+    assert "missing (in the model, not in the checkpoint)" in message and "'extra.weight'" in message
+    assert "unexpected (in the checkpoint, not in the model)" in message and "'gate.weight'" in message
     assert "emb.weight: checkpoint (11, 6) vs model (13, 6)" in message
     assert "head.weight" in message
 
