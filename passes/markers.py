@@ -35,8 +35,22 @@ def _from_arg(value):
     return tuple(value) if isinstance(value, list) else value
 
 
+class _MarkerArgs:
+    """A marker's arguments after its tensor, in schema order."""
+
+    def __post_init__(self):
+        object.__setattr__(self, "_args", _as_args(self))
+
+    def as_args(self) -> tuple:
+        return self._args
+
+    @classmethod
+    def from_node(cls, node: fx.Node):
+        return cls(*(_from_arg(a) for a in node.args[1:]))
+
+
 @dataclass(frozen=True)
-class UnshardSpec:
+class UnshardSpec(_MarkerArgs):
     """Everything the lowering needs about one parameter, fixed at shard() time."""
 
     full_dim0: int
@@ -52,16 +66,6 @@ class UnshardSpec:
     order: int  # registration index in the model: bucketing packs parameters in this order
     backend: str  # the process group's backend ("gloo", "nccl", "fake"): the transport depends on it
 
-    def __post_init__(self):
-        object.__setattr__(self, "_args", _as_args(self))
-
-    def as_args(self) -> tuple:
-        return self._args
-
-    @classmethod
-    def from_node(cls, node: fx.Node) -> "UnshardSpec":
-        return cls(*(_from_arg(a) for a in node.args[1:]))
-
     def reduce_spec(self, local_dim0: int, out_dtype: torch.dtype) -> "ReduceSpec":
         """The reduction of this parameter's gradient (the unshard's backward)."""
         return ReduceSpec(local_dim0, self.reduce_groups, self.reduce_sizes, self.scatter,
@@ -69,7 +73,7 @@ class UnshardSpec:
 
 
 @dataclass(frozen=True)
-class ReduceSpec:
+class ReduceSpec(_MarkerArgs):
     local_dim0: int  # rows of this rank's shard (the reduce-scatter's output)
     group_names: tuple[str, ...]
     group_sizes: tuple[int, ...]
@@ -77,16 +81,6 @@ class ReduceSpec:
     reduce_dtype: torch.dtype | None
     out_dtype: torch.dtype  # the sharded parameter's dtype
     name: str
-
-    def __post_init__(self):
-        object.__setattr__(self, "_args", _as_args(self))
-
-    def as_args(self) -> tuple:
-        return self._args
-
-    @classmethod
-    def from_node(cls, node: fx.Node) -> "ReduceSpec":
-        return cls(*(_from_arg(a) for a in node.args[1:]))
 
 
 assert [f.name for f in fields(UnshardSpec)] == [

@@ -10,7 +10,6 @@ that each carry out several checks in one process group (ckpt_workers.run_checks
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import shutil
 import struct
@@ -44,21 +43,14 @@ BIG_LAYERS, BIG_DIM = 32, 1024
 @pytest.fixture(scope="module")
 def hf(tmp_path_factory):
     """Tiny Hugging Face Llamas saved with save_pretrained (tied embeddings in one file;
-    untied, sharded with an index), and the unsharded originals' outputs and first step.
-    None without transformers: only the tests that need it are skipped."""
-    if importlib.util.find_spec("transformers") is None:
-        return None
+    untied, sharded with an index), and the unsharded originals' outputs and first step
+    (transformers is a test dependency)."""
     root = tmp_path_factory.mktemp("hf")
     tokens = torch.randint(0, 64, (6, 8), generator=torch.Generator().manual_seed(3))
     return {"tokens": tokens,
             "tied": _pretrained_llama(root / "tied", tokens, tied=True, max_shard_size="5GB"),
             "untied": _pretrained_llama(root / "untied", tokens, tied=False,
                                         max_shard_size="30KB")}
-
-
-def _needs(hf) -> None:
-    if hf is None:
-        pytest.skip("needs transformers (pip install graphshard[test])")
 
 
 def _llama(tied: bool, seed: int = 0) -> nn.Module:
@@ -399,7 +391,6 @@ def test_export_round_trips_into_unsharded_model(saved, tmp_path, capsys):
 
 
 def test_export_to_hugging_face_layout(saved, hf, ws2, tmp_path, capsys):
-    _needs(hf)
     # The tied Llama: pretrained -> load_pretrained at world size 2 -> one step -> save ->
     # export as sharded files + index with its config -> transformers' from_pretrained.
     from transformers import LlamaForCausalLM
@@ -438,7 +429,6 @@ def test_export_to_hugging_face_layout(saved, hf, ws2, tmp_path, capsys):
 
 @pytest.mark.parametrize("world", [2, 3])
 def test_load_pretrained_llama_matches_unsharded_original(hf, ws2, ws3, world):
-    _needs(hf)
     # World size 2: tied embeddings, one file; 3: untied, sharded files with an index.
     runs, expected = (ws2[0], hf["tied"]) if world == 2 else (ws3[0], hf["untied"])
     results = [r["llama_round_trip"] for r in runs]
@@ -477,7 +467,6 @@ def test_load_pretrained_reads_only_this_ranks_rows(ws2):
 
 
 def test_load_pretrained_into_unsharded_and_materialised_models(hf):
-    _needs(hf)
     path = hf["untied"]["path"]
     original = _llama(tied=False)
     with torch.device("meta"):
@@ -495,7 +484,6 @@ def test_load_pretrained_into_unsharded_and_materialised_models(hf):
 
 
 def test_load_pretrained_bad_input(hf, tmp_path):
-    _needs(hf)
     from safetensors.torch import save_file
 
     path = hf["untied"]["path"]

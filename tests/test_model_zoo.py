@@ -27,7 +27,6 @@ from graphshard.launch import run_local
 from tests.model_zoo import (GLOBAL_BATCH, ZOO, ConvNet, RunResult, ZooConfig, build, reference,
                              train_sharded)
 
-pytest.importorskip("transformers")
 pytestmark = [
     pytest.mark.timeout(1800),  # the shared run is in the first test's setup
     # transformers 5 renamed it activation_checkpointing_enable; the old name is what users call
