@@ -1,1 +1,1 @@
-"""Benchmarks of graphshard against its peers: `python -m bench --help`."""
+"""Benchmarks of graphshard against its peers: `python -m graphshard.bench --help`."""

@@ -1,12 +1,12 @@
-"""`python -m bench` / `graphshard bench`: compare graphshard with DDP, FSDP2 and SimpleFSDP."""
+"""`python -m graphshard.bench` / `graphshard bench`: compare graphshard with DDP, FSDP2 and SimpleFSDP."""
 
 from __future__ import annotations
 
 import argparse
 import sys
 
-from bench.methods import DEFAULT_METHODS, METHODS, method
-from bench.workload import MODEL_NAMES, ModelUnavailable, build_workload, parse_model_args
+from graphshard.bench.methods import DEFAULT_METHODS, METHODS, method
+from graphshard.bench.workload import MODEL_NAMES, ModelUnavailable, build_workload, parse_model_args
 
 
 def _known(name: str) -> bool:
@@ -63,8 +63,8 @@ def main(argv: list[str] | None = None) -> int:
         return 2
 
     # Imported here so `--help` and argument errors stay fast.
-    from bench.harness import BenchConfig, run
-    from bench.report import format_table, plot, summarize, write_json
+    from graphshard.bench.harness import BenchConfig, run
+    from graphshard.bench.report import format_table, plot, summarize, write_json
 
     cfg = BenchConfig(
         model=args.model, model_args=args.model_args, nproc=args.nproc, methods=args.methods,

@@ -1,6 +1,6 @@
-"""`python -m bench.checkpoint_save`: step time with a checkpoint every few steps, sync vs async.
+"""`python -m graphshard.bench.checkpoint_save`: step time with a checkpoint every few steps, sync vs async.
 
-    python -m bench.checkpoint_save --nproc 2 --steps 30 --every 5
+    python -m graphshard.bench.checkpoint_save --nproc 2 --steps 30 --every 5
 
 Trains a built-in model sharded with graphshard (eager unless --compile) on N local gloo
 processes, AdamW, and times every step in three modes, interleaved over `--repeats` rounds
@@ -28,7 +28,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from bench.workload import parse_model_args
+from graphshard.bench.workload import parse_model_args
 
 MODES = ("none", "sync", "async")
 
@@ -50,7 +50,7 @@ def measure(rank: int, world: int, cfg: SaveBenchConfig, directory: str) -> dict
     """Per mode: every step's time (slowest rank), and the async mode's final wait (s)."""
     import graphshard
     from graphshard import checkpoint
-    from graphshard.models import build_model
+    from graphshard.tools.models import build_model
 
     torch.manual_seed(0)
     model, inputs, loss_fn = build_model(cfg.model, batch=cfg.batch, seq_len=cfg.seq,
@@ -114,9 +114,9 @@ def summarize(result: dict[str, Any]) -> dict[str, dict[str, float]]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from graphshard.launch import run_local
+    from graphshard.tools.launch import run_local
 
-    p = argparse.ArgumentParser(prog="python -m bench.checkpoint_save", description=__doc__,
+    p = argparse.ArgumentParser(prog="python -m graphshard.bench.checkpoint_save", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--nproc", type=int, default=2)
     p.add_argument("--model", default="transformer")

@@ -35,9 +35,9 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from graphshard._torch_compat import allow_recompiles, compile_counters
 
-from bench.measure import analyze, measured_step, memory_profile
-from bench.methods import MethodUnavailable, method
-from bench.workload import Workload, build_workload
+from graphshard.bench.measure import analyze, measured_step, memory_profile
+from graphshard.bench.methods import MethodUnavailable, method
+from graphshard.bench.workload import Workload, build_workload
 
 OK = "ok"
 _TIMEOUT = timedelta(seconds=120)  # a dead rank fails its peers' collectives, never hangs them

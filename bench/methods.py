@@ -17,7 +17,7 @@ import torch
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
 
-from bench.workload import transformer_blocks
+from graphshard.bench.workload import transformer_blocks
 
 
 class MethodUnavailable(RuntimeError):
@@ -62,7 +62,7 @@ def _fsdp2_compiled(model: nn.Module, mesh: DeviceMesh) -> nn.Module:
 
 
 def _simple_fsdp(model: nn.Module, mesh: DeviceMesh) -> nn.Module:
-    from bench.simple_fsdp import data_parallel
+    from graphshard.bench.simple_fsdp import data_parallel
 
     return data_parallel(model, mesh)
 
@@ -72,7 +72,7 @@ def _graphshard_backend() -> object:
     if "graphshard" in torch.compiler.list_backends():
         return "graphshard"
     try:
-        from graphshard.backend import graphshard_backend
+        from graphshard.compiler.backend import graphshard_backend
     except ImportError as exc:
         raise MethodUnavailable(f"graphshard backend not importable ({exc})") from exc
     return graphshard_backend
@@ -130,7 +130,7 @@ def method(name: str) -> Method:
         return METHODS[name]
     base, sep, spec = name.partition(":")
     if base == "graphshard" and sep:
-        from graphshard.options import parse_option_strings
+        from graphshard.compiler.options import parse_option_strings
 
         options = parse_option_strings(spec.split("+"))
         return Method(_graphshard_compiled(options), True, f"graphshard with {options}")

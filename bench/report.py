@@ -10,9 +10,9 @@ import statistics
 import torch
 from tabulate import tabulate
 
-from bench.harness import OK, BenchConfig, RankResult
-from bench.measure import TimeStats
-from bench.methods import BASELINES, method
+from graphshard.bench.harness import OK, BenchConfig, RankResult
+from graphshard.bench.measure import TimeStats
+from graphshard.bench.methods import BASELINES, method
 
 _MIB = 1024 * 1024
 _MB = 1e6

@@ -10,7 +10,7 @@ from typing import Callable
 import torch
 import torch.nn as nn
 
-from graphshard.models import BUILTIN_MODELS, build_model, cross_entropy_loss, synthetic_tokens
+from graphshard.tools.models import BUILTIN_MODELS, build_model, cross_entropy_loss, synthetic_tokens
 
 HF_LLAMA = "hf-llama"
 # llama3-8b is left out: at full size it does not fit a benchmark on these machines.

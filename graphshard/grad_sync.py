@@ -36,8 +36,9 @@ from typing import Iterator
 import torch
 import torch.nn as nn
 
-from graphshard.ops import call_reduce_grad, call_unshard
-from passes.markers import ReduceSpec, UnshardSpec
+from graphshard.compiler.ops import call_reduce_grad, call_unshard
+from graphshard.passes.markers import ReduceSpec, UnshardSpec
+from graphshard.state import shard_state, sharded_params
 
 
 class SyncMode(enum.Enum):
@@ -128,27 +129,9 @@ def unshard_for_grad_sync(local: torch.Tensor, spec: UnshardSpec, sync: GradSync
 # --------------------------------------------------------------------------- public API
 
 
-def _sharded_params(model: nn.Module) -> Iterator[tuple[nn.Parameter, object]]:
-    from graphshard.sharding import SPECS_ATTR
-
-    seen: set[int] = set()
-    for module in model.modules():
-        for name, spec in getattr(module, SPECS_ATTR, {}).items():
-            param = module._parameters[name]
-            if id(param) not in seen:
-                seen.add(id(param))
-                yield param, spec
-
-
-def _grad_sync(model: nn.Module) -> GradSync:
-    from graphshard.sharding import shard_state
-
-    return shard_state(model).grad_sync
-
-
 def _ensure_leaves(model: nn.Module, sync: GradSync, partial: bool) -> None:
     leaves = sync.partial_leaves if partial else sync.full_leaves
-    for param, spec in _sharded_params(model):
+    for param, spec in sharded_params(model):
         if param.requires_grad and spec.name not in leaves:
             local = param.to_local()
             shape = local.shape if partial else torch.Size((spec.full_dim0, *local.shape[1:])
@@ -163,7 +146,7 @@ def _reduce_accumulated(model: nn.Module, sync: GradSync, partial: bool) -> None
     from torch.distributed.tensor import DTensor
 
     leaves = sync.partial_leaves if partial else sync.full_leaves
-    for param, spec in _sharded_params(model):
+    for param, spec in sharded_params(model):
         leaf = leaves.get(spec.name)
         if leaf is None or leaf.grad is None:
             continue
@@ -182,7 +165,7 @@ def _reduce_accumulated(model: nn.Module, sync: GradSync, partial: bool) -> None
 def _switch_accumulation(model: nn.Module, accumulate: bool, partial: bool) -> GradSync:
     """Start or end one kind of accumulation: full unsharded gradients (partial=False) or
     shard-sized partial sums that skip only the replica all-reduce (partial=True)."""
-    sync = _grad_sync(model)
+    sync = shard_state(model).grad_sync
     if not accumulate:
         _reduce_accumulated(model, sync, partial)
         return sync
@@ -220,7 +203,7 @@ def no_sync(model: nn.Module, *, replica_only: bool = False):
     every rank leaves the block together), where later backward passes add to it.
     replica_only=True (hybrid_shard): still reduce-scatter within each shard group, skip only
     the all-reduce across replica groups."""
-    sync = _grad_sync(model)
+    sync = shard_state(model).grad_sync
     previous = sync.requires_all_reduce if replica_only else sync.requires_gradient_sync
     setter = set_requires_all_reduce if replica_only else set_requires_gradient_sync
     setter(model, False)

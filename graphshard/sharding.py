@@ -10,7 +10,7 @@ time eagerly, or by whatever the backend's passes make of the marker op under to
 from __future__ import annotations
 
 import functools
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from typing import Callable, Iterator
 
 import torch
@@ -21,26 +21,12 @@ from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.utils._pytree import tree_map
 
 from graphshard.grad_sync import GradSync, unshard_for_grad_sync
+from graphshard.state import (GRAD_SYNC_ATTR, LOCALS_ATTR, SPECS_ATTR, STATE_ATTR, ShardState,
+                              is_sharded, shard_state)
 from graphshard._torch_compat import run_eagerly_when_called_from_eager_code
-from graphshard.ops import call_unshard
-from passes.markers import UnshardSpec
+from graphshard.compiler.ops import call_unshard
+from graphshard.passes.markers import UnshardSpec
 from graphshard.policy import MixedPrecisionPolicy, ShardingStrategy, resolve_mixed_precision
-
-SPECS_ATTR = "_graphshard_specs"  # on every sharded module: name -> UnshardSpec
-LOCALS_ATTR = "_graphshard_locals"  # on every sharded module: name -> plain local-shard leaf
-STATE_ATTR = "_graphshard_state"
-GRAD_SYNC_ATTR = "_graphshard_grad_sync"  # on every sharded module: the model's GradSync
-
-
-@dataclass
-class ShardState:
-    """Per-model state: how it was sharded, and the gradient-sync switches (accumulation)."""
-
-    mesh: DeviceMesh
-    strategy: ShardingStrategy
-    mixed_precision: MixedPrecisionPolicy
-    grad_sync: GradSync
-
 
 # --------------------------------------------------------------------------- local shards
 #
@@ -514,15 +500,6 @@ def _shard_param(param: nn.Parameter, fqn: str, order: int, mesh: DeviceMesh,
         name=fqn,
         order=order,
         backend=dist.get_backend(shard_group),
+        grad_enabled=True,
     )
     return new_param, spec
-
-
-def is_sharded(model: nn.Module) -> bool:
-    return hasattr(model, STATE_ATTR)
-
-
-def shard_state(model: nn.Module) -> ShardState:
-    if not is_sharded(model):
-        raise ValueError("model is not sharded: call graphshard.shard(model) first")
-    return getattr(model, STATE_ATTR)

@@ -17,10 +17,11 @@ from __future__ import annotations
 
 import torch.fx as fx
 
-from passes.graph_utils import ALL_GATHER, ALL_TO_ALL, GraphEmitter, aten, call_nodes, fake_mode_of, finalize_graph
+from graphshard.passes.context import PassContext
+from graphshard.passes.graph_utils import ALL_GATHER, ALL_TO_ALL, GraphEmitter, aten, call_nodes, fake_mode_of, finalize_graph
 
 
-def all_gather_via_all_to_all(gm: fx.GraphModule, ctx=None) -> fx.GraphModule:
+def all_gather_via_all_to_all(gm: fx.GraphModule, ctx: PassContext | None = None) -> fx.GraphModule:
     fake_mode = fake_mode_of(gm)
     for gather in call_nodes(gm, ALL_GATHER):
         shard, group_size, group_name = gather.args

@@ -21,8 +21,8 @@ from typing import Mapping
 
 import torch.fx as fx
 
-from passes.context import PassContext
-from passes.graph_utils import (
+from graphshard.passes.context import PassContext
+from graphshard.passes.graph_utils import (
     ALL_GATHER,
     ALL_REDUCE,
     REDUCE_SCATTER,

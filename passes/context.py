@@ -11,9 +11,9 @@ GRAPH_KINDS = ("dynamo", "joint", "forward", "backward", "inference")
 @dataclass(frozen=True)
 class PassContext:
     graph_kind: str  # one of GRAPH_KINDS
-    options: Any  # graphshard.options.GraphshardOptions: passes read bucket_mb, prefetch, ...
+    options: Any  # graphshard.compiler.options.GraphshardOptions: passes read bucket_mb, prefetch, ...
     param_order: Mapping[str, int] = field(default_factory=dict)  # name -> registration index
-    cluster: Any = None  # graphshard.cost_model.ClusterSpec for the cost model (None: default)
+    cluster: Any = None  # graphshard.compiler.cost_model.ClusterSpec for the cost model (None: default)
     # collective kinds to exchange by all-to-all: resolved from the options and the group's backend
     via_all_to_all: frozenset[str] = frozenset()
 

@@ -4,12 +4,13 @@ from __future__ import annotations
 
 import torch.fx as fx
 
-from passes.graph_utils import GraphEmitter, fake_mode_of, finalize_graph, is_reduce_grad, is_unshard
-from passes.lowering import lower_reduce_grad, lower_unshard
-from passes.markers import ReduceSpec, UnshardSpec
+from graphshard.passes.context import PassContext
+from graphshard.passes.graph_utils import GraphEmitter, fake_mode_of, finalize_graph, is_reduce_grad, is_unshard
+from graphshard.passes.lowering import lower_reduce_grad, lower_unshard
+from graphshard.passes.markers import ReduceSpec, UnshardSpec
 
 
-def insert_collectives(gm: fx.GraphModule, ctx=None) -> fx.GraphModule:
+def insert_collectives(gm: fx.GraphModule, ctx: PassContext | None = None) -> fx.GraphModule:
     """Replace every unshard / reduce_grad marker with its collective lowering, in place."""
     fake_mode = fake_mode_of(gm)
     for node in list(gm.graph.nodes):

@@ -13,7 +13,7 @@ from typing import Any, Iterable
 import torch
 import torch.fx as fx
 
-from passes.graph_utils import collective_kind, is_collective, is_wait, tensor_bytes
+from graphshard.passes.graph_utils import collective_kind, is_collective, is_wait, tensor_bytes
 
 
 @dataclass(frozen=True)

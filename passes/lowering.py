@@ -19,8 +19,8 @@ from __future__ import annotations
 import torch
 import torch.fx as fx
 
-from passes.graph_utils import ALL_GATHER, ALL_REDUCE, REDUCE_SCATTER, WAIT, aten, dim0_chunk
-from passes.markers import ReduceSpec, UnshardSpec
+from graphshard.passes.graph_utils import ALL_GATHER, ALL_REDUCE, REDUCE_SCATTER, WAIT, aten, dim0_chunk
+from graphshard.passes.markers import ReduceSpec, UnshardSpec
 
 CAST = torch.ops.prims.convert_element_type.default
 

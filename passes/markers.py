@@ -17,7 +17,7 @@ UNSHARD_SCHEMA = (
     "(Tensor shard, SymInt full_dim0, str gather_group, int gather_size, "
     "ScalarType? compute_dtype, bool reshard_after_forward, str[] reduce_groups, "
     "int[] reduce_sizes, bool scatter, ScalarType? reduce_dtype, str name, int order, "
-    "str backend) -> Tensor"
+    "str backend, bool grad_enabled) -> Tensor"
 )
 REDUCE_SCHEMA = (
     "(Tensor grad, SymInt local_dim0, str[] group_names, int[] group_sizes, bool scatter, "
@@ -65,6 +65,17 @@ class UnshardSpec(_MarkerArgs):
     name: str  # fully qualified name of the parameter's first registration
     order: int  # registration index in the model: bucketing packs parameters in this order
     backend: str  # the process group's backend ("gloo", "nccl", "fake"): the transport depends on it
+    grad_enabled: bool  # grad mode at the read: a no_grad read never stands in for one needing grad
+
+    def __post_init__(self):
+        super().__post_init__()
+        at = [f.name for f in fields(self)].index("grad_enabled")
+        object.__setattr__(self, "_args_by_grad_mode", {
+            mode: self._args[:at] + (mode,) + self._args[at + 1:] for mode in (False, True)})
+
+    def args_at_read(self) -> tuple:
+        """as_args() with the grad mode of this read (Dynamo traces the mode as a constant)."""
+        return self._args_by_grad_mode[torch.is_grad_enabled()]
 
     def reduce_spec(self, local_dim0: int, out_dtype: torch.dtype) -> "ReduceSpec":
         """The reduction of this parameter's gradient (the unshard's backward)."""

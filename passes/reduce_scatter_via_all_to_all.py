@@ -13,7 +13,8 @@ from __future__ import annotations
 
 import torch.fx as fx
 
-from passes.graph_utils import (
+from graphshard.passes.context import PassContext
+from graphshard.passes.graph_utils import (
     ALL_TO_ALL,
     REDUCE_SCATTER,
     WAIT,
@@ -26,7 +27,7 @@ from passes.graph_utils import (
 )
 
 
-def reduce_scatter_via_all_to_all(gm: fx.GraphModule, ctx=None) -> fx.GraphModule:
+def reduce_scatter_via_all_to_all(gm: fx.GraphModule, ctx: PassContext | None = None) -> fx.GraphModule:
     fake_mode = fake_mode_of(gm)
     for scatter in call_nodes(gm, REDUCE_SCATTER):
         source, reduce_op, group_size, group_name = scatter.args

@@ -28,7 +28,7 @@ from typing import Callable, Mapping, Sequence
 
 import torch.fx as fx
 
-from passes.graph_utils import (
+from graphshard.passes.graph_utils import (
     apply_order,
     collective_kind,
     finalize_graph,
@@ -37,7 +37,7 @@ from passes.graph_utils import (
     list_schedule,
     wait_of,
 )
-from passes.liveness import Buffers
+from graphshard.passes.liveness import Buffers
 
 NodeSeconds = Callable[[fx.Node], float]
 

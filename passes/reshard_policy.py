@@ -11,10 +11,12 @@ from __future__ import annotations
 import torch.fx as fx
 from torch.utils.checkpoint import CheckpointPolicy
 
-from passes.graph_utils import is_unshard
-from passes.markers import UnshardSpec
+from graphshard.passes.context import PassContext
+from graphshard.passes.graph_utils import is_unshard
+from graphshard.passes.markers import UnshardSpec
 
-def tag_reshard_policy(gm: fx.GraphModule, ctx=None) -> fx.GraphModule:
+
+def tag_reshard_policy(gm: fx.GraphModule, ctx: PassContext | None = None) -> fx.GraphModule:
     for node in gm.graph.nodes:
         if is_unshard(node):
             reshard = UnshardSpec.from_node(node).reshard_after_forward

@@ -9,8 +9,8 @@ import torch
 import torch.fx as fx
 
 import graphshard
-from graphshard.backend import GraphshardCompiler
-from graphshard.options import GraphshardOptions
+from graphshard.compiler.backend import GraphshardCompiler
+from graphshard.compiler.options import GraphshardOptions
 
 
 class GraphCapture:

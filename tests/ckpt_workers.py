@@ -284,7 +284,7 @@ def async_save(rank: int, world: int, root: str) -> dict[str, Any]:
 
 def save_bench(rank: int, world: int, directory: str) -> dict[str, Any]:
     """A tiny run of bench/checkpoint_save.py's measurement (every step saves)."""
-    from bench.checkpoint_save import SaveBenchConfig, measure
+    from graphshard.bench.checkpoint_save import SaveBenchConfig, measure
 
     cfg = SaveBenchConfig(model_args=(("dim", 32), ("n_layers", 1)), steps=2, every=1,
                           repeats=1, warmup=1)

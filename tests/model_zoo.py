@@ -358,9 +358,9 @@ def train_sharded(rank: int, world: int, configs: list[ZooConfig]) -> list[RunRe
     import traceback
 
     import graphshard
-    from graphshard.backend import STAGES, GraphshardCompiler
-    from graphshard.options import GraphshardOptions
-    from passes.graph_utils import is_collective
+    from graphshard.compiler.backend import STAGES, GraphshardCompiler
+    from graphshard.compiler.options import GraphshardOptions
+    from graphshard.passes.graph_utils import is_collective
     from tests.workers import grad_layout_problems
 
     def cpu_seconds() -> float:

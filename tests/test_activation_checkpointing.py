@@ -11,8 +11,8 @@ import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint, create_selective_checkpoint_contexts
 
 import graphshard
-from graphshard.launch import run_local
-from passes.graph_utils import ALL_GATHER, REDUCE_SCATTER
+from graphshard.tools.launch import run_local
+from graphshard.passes.graph_utils import ALL_GATHER, REDUCE_SCATTER
 from tests.capture import GraphCapture
 from tests.workers import EAGER, Training, reference, train
 

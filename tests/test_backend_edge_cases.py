@@ -14,8 +14,8 @@ import torch.nn as nn
 from torch.utils.checkpoint import checkpoint
 
 import graphshard
-from graphshard.launch import run_local
-from passes.graph_utils import (
+from graphshard.tools.launch import run_local
+from graphshard.passes.graph_utils import (
     ALL_GATHER, ALL_REDUCE, REDUCE_SCATTER, collective_params, is_reduce_grad, is_unshard,
 )
 from tests.capture import GraphCapture

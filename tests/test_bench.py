@@ -9,11 +9,11 @@ from dataclasses import asdict
 import pytest
 from torch.distributed.device_mesh import init_device_mesh
 
-from bench.__main__ import main
-from bench.harness import BenchConfig, set_up
-from bench.measure import analyze, measured_step, memory_profile
-from bench.workload import build_workload, transformer_blocks
-from graphshard.launch import run_local
+from graphshard.bench.__main__ import main
+from graphshard.bench.harness import BenchConfig, set_up
+from graphshard.bench.measure import analyze, measured_step, memory_profile
+from graphshard.bench.workload import build_workload, transformer_blocks
+from graphshard.tools.launch import run_local
 
 METHODS = ("ddp_eager", "fsdp2_eager")
 MODEL_ARGS = {"dim": 32, "n_layers": 1}

@@ -20,8 +20,8 @@ import torch.nn as nn
 
 import ckpt_workers as workers
 from graphshard import checkpoint
-from graphshard.cli import main as cli_main
-from graphshard.launch import run_local
+from graphshard.tools.cli import main as cli_main
+from graphshard.tools.launch import run_local
 from zoo import Zoo
 
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")
@@ -357,7 +357,7 @@ def test_async_save_without_process_group(tmp_path):
 
 
 def test_save_benchmark_runs(ws2):
-    from bench.checkpoint_save import MODES, summarize
+    from graphshard.bench.checkpoint_save import MODES, summarize
 
     result = ws2[0][0]["save_bench"]
     assert set(result["times"]) == set(MODES) and all(len(t) == 2 for t in result["times"].values())

@@ -10,7 +10,7 @@ import sys
 import pytest
 import torch
 
-from graphshard import cli, train
+from graphshard.tools import cli, train
 
 
 def _run(*args, timeout=300):
@@ -118,6 +118,6 @@ def test_train_demo_under_torchrun():
 
 
 def _free_port() -> int:
-    from graphshard.launch import free_port
+    from graphshard.tools.launch import free_port
 
     return free_port()

@@ -12,12 +12,12 @@ import torch
 import torch.distributed as dist
 from torch.fx.experimental.proxy_tensor import make_fx
 
-from graphshard import calibrate as calibration
-from graphshard import cost_model as cm
-from graphshard.cost_model import ClusterSpec
-from graphshard.simulator import graph_estimate
-from graphshard.theory import theoretical_comm_bytes
-from passes.liveness import memory_estimate
+from graphshard.tools import calibrate as calibration
+from graphshard.compiler import cost_model as cm
+from graphshard.compiler.cost_model import ClusterSpec
+from graphshard.compiler.simulator import graph_estimate
+from graphshard.tools.theory import theoretical_comm_bytes
+from graphshard.passes.liveness import memory_estimate
 
 aten = torch.ops.aten
 c10d = torch.ops._c10d_functional

@@ -10,8 +10,8 @@ import sys
 import pytest
 import torch.distributed as dist
 
-from graphshard import dump
-from graphshard.backend import STAGES
+from graphshard.tools import dump
+from graphshard.compiler.backend import STAGES
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TINY = os.path.join("tests", "dump_targets", "tiny.py")
@@ -237,7 +237,7 @@ def test_llama3_8b_shapes_dump_at_world_size_64_without_allocating_weights(tmp_p
     # each), dumped in a process that never holds them. The full 32-block model takes ~50 s
     # of CPU here, too slow for the suite (see the dump module docstring).
     out_json = tmp_path / "8b.json"
-    script = ("import resource, sys; from graphshard.dump import main; "
+    script = ("import resource, sys; from graphshard.tools.dump import main; "
               f"rc = main(['llama3-8b', '--model-args', 'n_layers=1', '-n', '64', "
               f"'--stage', 'none', '--json', {str(out_json)!r}]); "
               "print('maxrss_kb', resource.getrusage(resource.RUSAGE_SELF).ru_maxrss); "

@@ -8,7 +8,7 @@ import torch.nn as nn
 from torch.distributed.device_mesh import init_device_mesh
 
 import graphshard
-from graphshard.options import GraphshardOptions, parse_option_strings
+from graphshard.compiler.options import GraphshardOptions, parse_option_strings
 
 
 def test_shard_without_process_group_says_how_to_start_one():
@@ -77,8 +77,8 @@ def test_unknown_option_through_torch_compile_fails_clearly(fake_pg):
 def test_cluster_option_must_name_a_calibration_file(tmp_path):
     with pytest.raises(ValueError, match="cluster must be the path of a JSON file"):
         GraphshardOptions.from_dict({"cluster": str(tmp_path / "missing.json")})
-    from graphshard.cost_model import ClusterSpec
-    from graphshard.backend import GraphshardCompiler
+    from graphshard.compiler.cost_model import ClusterSpec
+    from graphshard.compiler.backend import GraphshardCompiler
     path = tmp_path / "cluster.json"
     spec = ClusterSpec(latency_s=1e-5, bandwidth_Bps=1e10, flops_per_s=1e12,
                        memory_bandwidth_Bps=1e11, kernel_overhead_s=1e-6)

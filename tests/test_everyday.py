@@ -21,7 +21,7 @@ from torch.distributed.tensor import DTensor
 
 import graphshard
 from graphshard import sharding
-from graphshard.launch import run_local
+from graphshard.tools.launch import run_local
 from graphshard.sharding import LOCALS_ATTR, _sharded_class
 from tests.zoo import Zoo, zoo_batch, zoo_loss
 

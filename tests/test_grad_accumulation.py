@@ -9,8 +9,8 @@ import pytest
 import torch
 
 import graphshard
-from graphshard.launch import run_local
-from passes.graph_utils import ALL_GATHER, ALL_REDUCE, REDUCE_SCATTER
+from graphshard.tools.launch import run_local
+from graphshard.passes.graph_utils import ALL_GATHER, ALL_REDUCE, REDUCE_SCATTER
 from tests.capture import GraphCapture
 from tests.workers import EAGER, Training, reference, train, zoo_training
 from tests.zoo import Zoo, zoo_batch, zoo_loss

@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from graphshard.models import build_model
-from passes.graph_utils import ALL_GATHER, ALL_REDUCE, REDUCE_SCATTER, WAIT, is_wait
+from graphshard.tools.models import build_model
+from graphshard.passes.graph_utils import ALL_GATHER, ALL_REDUCE, REDUCE_SCATTER, WAIT, is_wait
 from tests.capture import call_nodes, capture_step
 from tests.zoo import Zoo, zoo_batch, zoo_loss
 

@@ -8,8 +8,8 @@ import torch
 from torch.distributed.device_mesh import init_device_mesh
 
 import graphshard
-from graphshard.launch import run_local
-from passes.graph_utils import ALL_GATHER, ALL_REDUCE, REDUCE_SCATTER, collective_group, wait_of
+from graphshard.tools.launch import run_local
+from graphshard.passes.graph_utils import ALL_GATHER, ALL_REDUCE, REDUCE_SCATTER, collective_group, wait_of
 from tests.capture import GraphCapture
 from tests.workers import EAGER, reference, train, zoo_training
 from tests.zoo import Zoo, zoo_batch, zoo_loss

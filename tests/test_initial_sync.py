@@ -11,7 +11,7 @@ from torch.distributed.device_mesh import init_device_mesh
 
 import graphshard
 from graphshard.initial_sync import sync_initial_state
-from graphshard.launch import run_local
+from graphshard.tools.launch import run_local
 from graphshard.sharding import shard_state
 from tests.zoo import Zoo
 

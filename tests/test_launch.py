@@ -9,7 +9,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from graphshard.launch import DistributedRunError, run_local
+from graphshard.tools.launch import DistributedRunError, run_local
 
 
 def _dies_at_step_two(rank: int, world: int):

@@ -25,7 +25,7 @@ from dataclasses import dataclass
 import pytest
 import torch
 
-from graphshard.launch import run_local
+from graphshard.tools.launch import run_local
 from tests.workers import TrainResult, Training, gpt_data, reference, train
 from tests.zoo import TinyGPT, zoo_loss
 

@@ -8,9 +8,9 @@ import torch
 from torch.distributed._tools.mem_tracker import MemTracker
 
 import graphshard
-from graphshard.launch import run_local
-from graphshard.models import Transformer, TransformerConfig, cross_entropy_loss, synthetic_tokens
-from passes.graph_utils import dim0_chunk
+from graphshard.tools.launch import run_local
+from graphshard.tools.models import Transformer, TransformerConfig, cross_entropy_loss, synthetic_tokens
+from graphshard.passes.graph_utils import dim0_chunk
 
 CONFIG = TransformerConfig(vocab_size=256, dim=64, n_layers=4, n_heads=4, max_seq_len=16)
 # Per-rank budget as a fraction of what the unsharded model needs: the full model does not fit.

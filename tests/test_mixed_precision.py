@@ -9,10 +9,10 @@ import pytest
 import torch
 
 import graphshard
-from graphshard.launch import run_local
-from graphshard.models import build_llama, cross_entropy_loss
-from passes.graph_utils import ALL_GATHER, REDUCE_SCATTER
-from passes.lowering import CAST
+from graphshard.tools.launch import run_local
+from graphshard.tools.models import build_llama, cross_entropy_loss
+from graphshard.passes.graph_utils import ALL_GATHER, REDUCE_SCATTER
+from graphshard.passes.lowering import CAST
 from tests.capture import GraphCapture
 from tests.workers import EAGER, Training, reference, train
 

@@ -23,7 +23,7 @@ import pytest
 import torch
 
 import graphshard
-from graphshard.launch import run_local
+from graphshard.tools.launch import run_local
 from tests.model_zoo import (GLOBAL_BATCH, ZOO, ConvNet, RunResult, ZooConfig, build, reference,
                              train_sharded)
 

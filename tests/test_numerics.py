@@ -7,7 +7,7 @@ import functools
 import pytest
 import torch
 
-from graphshard.launch import run_local
+from graphshard.tools.launch import run_local
 from tests.workers import EPS, LR, MAX_NORM, TrainResult, reference, train, zoo_training
 
 STEPS = 5

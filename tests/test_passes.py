@@ -9,18 +9,18 @@ import torch
 import torch.fx as fx
 from torch._subclasses.fake_tensor import FakeTensorMode
 
-from graphshard.models import build_model
-from graphshard.options import GraphshardOptions
-from passes.context import PassContext
-from passes.bucket_collectives import bucket_collectives, plan_buckets
-from passes.graph_utils import (
+from graphshard.tools.models import build_model
+from graphshard.compiler.options import GraphshardOptions
+from graphshard.passes.context import PassContext
+from graphshard.passes.bucket_collectives import bucket_collectives, plan_buckets
+from graphshard.passes.graph_utils import (
     ALL_GATHER, REDUCE_SCATTER, GraphEmitter, aten, collective_params, dim0_chunk, is_collective,
     is_wait, list_schedule, node_order, wait_of,
 )
-from passes.liveness import memory_estimate
-from passes.lowering import lower_reduce_grad, lower_unshard
-from passes.markers import UnshardSpec
-from passes.reorder_collectives import ReorderPolicy, reorder_collectives
+from graphshard.passes.liveness import memory_estimate
+from graphshard.passes.lowering import lower_reduce_grad, lower_unshard
+from graphshard.passes.markers import UnshardSpec
+from graphshard.passes.reorder_collectives import ReorderPolicy, reorder_collectives
 from tests.capture import call_nodes, capture_step
 
 MB = 2**20
@@ -46,7 +46,7 @@ def gather_graph(world: int, params, use_order=None, backward=False) -> fx.Graph
         shard, shape, dtype = shards[name]
         emit = GraphEmitter(graph, mode, {"graphshard_params": (name,), "graphshard_role": "unshard"})
         spec = UnshardSpec(shape[0], "0", world, None, True, ("0",), (world,), True, None, name,
-                           0, "fake")
+                           0, "fake", True)
         full = lower_unshard(emit, shard, spec)
         compute = GraphEmitter(graph, mode)
         out = compute(aten.mul.Tensor, full, 2.0)
@@ -307,8 +307,8 @@ def test_world_size_64_llama_buckets_per_block(fake_pg):
 
 
 def test_reduce_scatter_via_all_to_all_keeps_shapes_and_placement():
-    from passes.graph_utils import ALL_TO_ALL
-    from passes.reduce_scatter_via_all_to_all import reduce_scatter_via_all_to_all
+    from graphshard.passes.graph_utils import ALL_TO_ALL
+    from graphshard.passes.reduce_scatter_via_all_to_all import reduce_scatter_via_all_to_all
 
     params = [("layers.0.a", (11, 3), torch.float32), ("layers.0.b", (5,), torch.float32)]
     gm = bucket_collectives(gather_graph(4, params, backward=True), ctx(bucket_mb=64))
@@ -326,8 +326,8 @@ def test_reduce_scatter_via_all_to_all_keeps_shapes_and_placement():
 
 
 def test_all_gather_via_all_to_all_sends_the_shard_to_every_rank_in_place_of_the_gather():
-    from passes.all_gather_via_all_to_all import all_gather_via_all_to_all
-    from passes.graph_utils import ALL_TO_ALL
+    from graphshard.passes.all_gather_via_all_to_all import all_gather_via_all_to_all
+    from graphshard.passes.graph_utils import ALL_TO_ALL
 
     params = [("layers.0.a", (11, 3), torch.float32), ("layers.0.b", (5,), torch.float32)]
     gm = bucket_collectives(gather_graph(4, params), ctx(bucket_mb=64))
@@ -379,7 +379,7 @@ def test_a_run_closes_when_another_unit_of_the_same_kind_intervenes_even_in_anot
 
 
 def test_a_stage_run_out_of_order_fails_loudly(monkeypatch):
-    from graphshard import backend
+    from graphshard.compiler import backend
 
     stages = {stage.name: stage for stage in backend.PIPELINE}
     swapped = tuple(stages[name] for name in

@@ -8,7 +8,7 @@
     graphshard dump llama3-8b --world-size 64 --param-dtype bf16 --trace step.json
     graphshard dump my_pkg.models:make_model -n 16 --option bucket_mb=25 --json dump.json
 
-TARGET is a built-in model name (`graphshard.models.BUILTIN_MODELS`: transformer,
+TARGET is a built-in model name (`graphshard.tools.models.BUILTIN_MODELS`: transformer,
 transformer-large, llama, llama3-8b), or `package.module:factory`, or `path/to/file.py:factory`.
 A factory returns `(model, example_inputs)` or `(model, example_inputs, loss_fn)`; `--batch`,
 `--seq` and `--model-args` become its keyword arguments (built-ins: batch=1, seq_len=128 unless
@@ -40,7 +40,7 @@ the machine is otherwise idle; measured 68 s wall at load average 5.
 
 Output: the graphs of the stage(s) asked for with `--stage`, as code; a table of every
 collective, communication bytes per step beside the theory for the strategy (as formulas in N
-and as numbers), and the cost model's estimates (`graphshard.cost_model`: alpha-beta
+and as numbers), and the cost model's estimates (`graphshard.compiler.cost_model`: alpha-beta
 collectives, roofline compute, a two-lane simulation of each graph in node order) of per-rank
 memory, step time and exposed communication. Memory: a graph's "own peak" is the most it
 allocates at one time beyond its inputs (for the forward, including the activations it saves);
@@ -187,7 +187,7 @@ def load_workload(target: str, *, meta: bool = True, batch: int | None = None,
     import torch
     import torch.nn as nn
 
-    from graphshard.models import BUILTIN_MODELS
+    from graphshard.tools.models import BUILTIN_MODELS
 
     kwargs = dict(model_args or {})
     if target in BUILTIN_MODELS:
@@ -293,7 +293,7 @@ def capture(model, inputs: tuple, options, stages: Sequence[str],
     import torch
 
     from graphshard._torch_compat import backward_compiled_with_forward
-    from graphshard.backend import STAGES, GraphshardCompiler
+    from graphshard.compiler.backend import STAGES, GraphshardCompiler
 
     result = Capture()
     final = STAGES[-1]
@@ -378,19 +378,15 @@ class ParamInfo:
 
 def param_infos(model) -> dict[str, ParamInfo]:
     """Every distinct sharded parameter of `model`, by the name graphshard's ops carry."""
-    from graphshard.sharding import SPECS_ATTR
+    from graphshard.state import sharded_params
 
     infos: dict[str, ParamInfo] = {}
-    for module in model.modules():
-        for local_name, spec in getattr(module, SPECS_ATTR, {}).items():
-            if spec.name in infos:
-                continue
-            param = module._parameters[local_name]
-            gather = spec.compute_dtype or param.dtype
-            infos[spec.name] = ParamInfo(
-                spec.name, tuple(param.shape), param.dtype, param.numel(),
-                param.to_local().numel(), param.requires_grad, bool(spec.gather_group),
-                gather, spec.reduce_dtype or gather, spec.reduce_groups[0])
+    for param, spec in sharded_params(model):
+        gather = spec.compute_dtype or param.dtype
+        infos[spec.name] = ParamInfo(
+            spec.name, tuple(param.shape), param.dtype, param.numel(),
+            param.to_local().numel(), param.requires_grad, bool(spec.gather_group),
+            gather, spec.reduce_dtype or gather, spec.reduce_groups[0])
     return infos
 
 
@@ -401,7 +397,7 @@ def _dtype_name(dtype) -> str:
 def _first_consumer(wait, index: dict, cluster):
     """The earliest node that does work with a collective's result, looking through free ops
     (views, getitem: e.g. a bucket unpacked into its parameters); the output node if none."""
-    from graphshard.cost_model import node_cost
+    from graphshard.compiler.cost_model import node_cost
 
     best, frontier, seen = None, list(wait.users), set()
     while frontier:
@@ -420,8 +416,8 @@ def collective_records(kind: str, gm, estimate, infos: dict[str, ParamInfo],
                        cluster) -> list[dict]:
     """One JSON record per collective of `gm` (`kind`: forward/backward), in graph order;
     `estimate` is the cost model's GraphEstimate of `gm`."""
-    from graphshard.cost_model import wire_bytes
-    from passes.graph_utils import (collective_group, collective_kind, is_collective, is_wait,
+    from graphshard.compiler.cost_model import wire_bytes
+    from graphshard.passes.graph_utils import (collective_group, collective_kind, is_collective, is_wait,
                                     tensor_val)
 
     nodes = list(gm.graph.nodes)
@@ -491,7 +487,7 @@ def comm_summary(records: list[dict], infos: dict[str, ParamInfo], strategy: str
     """Measured bytes per kind beside theoretical_comm_bytes, with reasons for differences."""
     import sympy
 
-    from graphshard.theory import theoretical_comm_bytes
+    from graphshard.tools.theory import theoretical_comm_bytes
 
     gather_bytes = sum(p.numel * p.gather_dtype.itemsize for p in infos.values())
     trainable_bytes = sum(p.numel * p.reduce_dtype.itemsize for p in infos.values()
@@ -565,7 +561,7 @@ def memory_summary(fw, bw, bw_graph, infos: dict[str, ParamInfo], input_bytes: i
     """Per-rank peak: model state (shards, gradients, AdamW state) plus the larger of the
     forward's and the backward's transient memory from the cost model's liveness walk.
     fw, bw: simulator.GraphEstimate (bw None without a backward); bw_graph: its GraphModule."""
-    from graphshard.cost_model import value_bytes
+    from graphshard.compiler.cost_model import value_bytes
 
     param_bytes = sum(p.local_numel * p.dtype.itemsize for p in infos.values())
     grad_bytes = sum(p.local_numel * p.dtype.itemsize for p in infos.values() if p.requires_grad)
@@ -619,10 +615,10 @@ def dump(workload: Workload, *, world_size: int, strategy: str = "full_shard", o
 
     import graphshard
     from graphshard._torch_compat import fake_tensor_mode, init_fake_process_group
-    from graphshard.backend import PIPELINE, STAGES
-    from graphshard.cost_model import ClusterSpec, value_bytes
-    from graphshard.simulator import graph_estimate
-    from graphshard.options import GraphshardOptions
+    from graphshard.compiler.backend import PIPELINE, STAGES
+    from graphshard.compiler.cost_model import ClusterSpec, value_bytes
+    from graphshard.compiler.simulator import graph_estimate
+    from graphshard.compiler.options import GraphshardOptions
     from graphshard.policy import ShardingStrategy
 
     started = time.perf_counter()
@@ -861,8 +857,8 @@ def _model_args(items: Sequence[str]) -> dict[str, Any]:
 
 
 def _parser() -> argparse.ArgumentParser:
-    from graphshard.backend import STAGES
-    from graphshard.cli import parse_dtype
+    from graphshard.compiler.backend import STAGES
+    from graphshard.tools.cli import parse_dtype
 
     p = _Parser(prog="graphshard dump",
                 description="Show what the graphshard compiler does to a model at any world "
@@ -915,8 +911,8 @@ def _progress_printer(quiet: bool) -> Callable[[str], None]:
 
 
 def run(argv: Sequence[str]) -> int:
-    from graphshard.backend import STAGES
-    from graphshard.options import parse_option_strings
+    from graphshard.compiler.backend import STAGES
+    from graphshard.compiler.options import parse_option_strings
     from graphshard.policy import ShardingStrategy
 
     args = _parser().parse_args(list(argv))
@@ -937,7 +933,7 @@ def run(argv: Sequence[str]) -> int:
         raise DumpError(str(e)) from None
     cluster = None
     if args.cluster:
-        from graphshard.cost_model import ClusterSpec
+        from graphshard.compiler.cost_model import ClusterSpec
         try:
             cluster = ClusterSpec.from_json(args.cluster)
         except (OSError, ValueError, TypeError) as e:

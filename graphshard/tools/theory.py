@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import sympy
 
-from graphshard.cost_model import Sym, as_number_if_constant, check_world_size
+from graphshard.compiler.cost_model import Sym, as_number_if_constant, check_world_size
 
 STRATEGIES = ("full_shard", "shard_grad_op", "no_shard", "hybrid_shard")
 

@@ -10,10 +10,10 @@ from typing import Mapping
 
 import torch.fx as fx
 
-from graphshard.cost_model import (ClusterSpec, CollectiveCost, GroupSizes, collective_node_cost,
+from graphshard.compiler.cost_model import (ClusterSpec, CollectiveCost, GroupSizes, collective_node_cost,
                                    is_plain_number, node_cost)
-from passes.graph_utils import is_collective, is_wait
-from passes.liveness import MemoryEstimate, memory_estimate
+from graphshard.passes.graph_utils import is_collective, is_wait
+from graphshard.passes.liveness import MemoryEstimate, memory_estimate
 
 
 @dataclass(frozen=True)

@@ -23,10 +23,10 @@ import torch
 import torch.distributed as dist
 
 import graphshard
-from graphshard.cli import parse_dtype
-from graphshard.launch import DistributedRunError, init_from_env, launched_by_torchrun, run_local
-from graphshard.models import BUILTIN_MODELS, build_model
-from graphshard.options import parse_option_strings
+from graphshard.tools.cli import parse_dtype
+from graphshard.tools.launch import DistributedRunError, init_from_env, launched_by_torchrun, run_local
+from graphshard.tools.models import BUILTIN_MODELS, build_model
+from graphshard.compiler.options import parse_option_strings
 from graphshard.policy import ShardingStrategy
 
 VOCAB = 256  # bytes

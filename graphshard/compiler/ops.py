@@ -11,9 +11,9 @@ from __future__ import annotations
 
 import torch
 
-from passes.graph_utils import EagerEmitter
-from passes.lowering import lower_reduce_grad, lower_unshard
-from passes.markers import REDUCE_SCHEMA, UNSHARD_SCHEMA, ReduceSpec, UnshardSpec
+from graphshard.passes.graph_utils import EagerEmitter
+from graphshard.passes.lowering import lower_reduce_grad, lower_unshard
+from graphshard.passes.markers import REDUCE_SCHEMA, UNSHARD_SCHEMA, ReduceSpec, UnshardSpec
 
 
 @torch.library.custom_op("graphshard::unshard", mutates_args=(), schema=UNSHARD_SCHEMA)
@@ -43,7 +43,7 @@ def _reduce_grad_fake(grad, *args):
 
 
 def call_unshard(shard: torch.Tensor, spec: UnshardSpec) -> torch.Tensor:
-    return torch.ops.graphshard.unshard(shard, *spec.as_args())
+    return torch.ops.graphshard.unshard(shard, *spec.args_at_read())
 
 
 def call_reduce_grad(grad: torch.Tensor, spec: ReduceSpec) -> torch.Tensor:

@@ -11,10 +11,10 @@ import sys
 import warnings
 
 SUBCOMMANDS = {
-    "train": ("graphshard.train", "the demo: a byte-level LM on Python's own sources, N ranks"),
-    "dump": ("graphshard.dump", "show what the compiler does to a model, at any world size"),
+    "train": ("graphshard.tools.train", "the demo: a byte-level LM on Python's own sources, N ranks"),
+    "dump": ("graphshard.tools.dump", "show what the compiler does to a model, at any world size"),
     "export": ("graphshard.checkpoint", "write a checkpoint's weights to safetensors (or HF dir)"),
-    "calibrate": ("graphshard.calibrate", "measure this machine's cost-model parameters"),
+    "calibrate": ("graphshard.tools.calibrate", "measure this machine's cost-model parameters"),
     "bench": ("bench.__main__", "compare graphshard with DDP, FSDP2 and SimpleFSDP"),
 }
 

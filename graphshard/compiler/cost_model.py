@@ -23,7 +23,7 @@ import torch.fx as fx
 from torch.fx.experimental.symbolic_shapes import optimization_hint
 from torch.utils.flop_counter import flop_registry
 
-from passes.graph_utils import COLLECTIVES, collective_group, collective_kind, is_collective, is_wait
+from graphshard.passes.graph_utils import COLLECTIVES, collective_group, collective_kind, is_collective, is_wait
 
 aten = torch.ops.aten
 Sym = Union[int, float, sympy.Expr]  # a number, or a formula in e.g. sympy.Symbol("N")

@@ -22,19 +22,19 @@ import torch.fx as fx
 from torch.distributed.tensor import DTensor
 
 from graphshard import _torch_compat as compat
-from graphshard import ops  # noqa: F401  (registers torch.ops.graphshard.*)
-from graphshard.cost_model import ClusterSpec, collective_node_cost, node_cost
-from graphshard.options import GraphshardOptions
-from passes.context import PassContext
-from passes.graph_utils import is_reduce_grad, is_unshard
-from passes.markers import UnshardSpec
-from passes.bucket_collectives import bucket_collectives
-from passes.insert_collectives import insert_collectives
-from passes.all_gather_via_all_to_all import all_gather_via_all_to_all
-from passes.merge_duplicate_unshards import merge_duplicate_unshards
-from passes.reduce_scatter_via_all_to_all import reduce_scatter_via_all_to_all
-from passes.reorder_collectives import ReorderPolicy, reorder_collectives
-from passes.reshard_policy import tag_reshard_policy
+from graphshard.compiler import ops  # noqa: F401  (registers torch.ops.graphshard.*)
+from graphshard.compiler.cost_model import ClusterSpec, collective_node_cost, node_cost
+from graphshard.compiler.options import GraphshardOptions
+from graphshard.passes.context import PassContext
+from graphshard.passes.graph_utils import is_reduce_grad, is_unshard
+from graphshard.passes.markers import UnshardSpec
+from graphshard.passes.bucket_collectives import bucket_collectives
+from graphshard.passes.insert_collectives import insert_collectives
+from graphshard.passes.all_gather_via_all_to_all import all_gather_via_all_to_all
+from graphshard.passes.merge_duplicate_unshards import merge_duplicate_unshards
+from graphshard.passes.reduce_scatter_via_all_to_all import reduce_scatter_via_all_to_all
+from graphshard.passes.reorder_collectives import ReorderPolicy, reorder_collectives
+from graphshard.passes.reshard_policy import tag_reshard_policy
 
 def _schedule(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
     budget = ctx.options.max_inflight_mb

@@ -1,6 +1,6 @@
 """`graphshard calibrate`: measure this machine's cost-model parameters into a ClusterSpec.
 
-All-gathers timed on local gloo processes (graphshard.launch.run_local), a matmul, a copy
+All-gathers timed on local gloo processes (graphshard.tools.launch.run_local), a matmul, a copy
 and a tiny kernel; the JSON it writes is what ClusterSpec.from_json loads.
 """
 
@@ -16,8 +16,8 @@ from typing import Any, Iterable, Sequence
 import torch
 import torch.distributed as dist
 
-from graphshard.cost_model import ClusterSpec, collective_time, fit_alpha_beta
-from graphshard.launch import run_local
+from graphshard.compiler.cost_model import ClusterSpec, collective_time, fit_alpha_beta
+from graphshard.tools.launch import run_local
 
 DEFAULT_SIZES = (1 << 10, 1 << 14, 1 << 18, 1 << 20, 1 << 22, 1 << 24)
 
