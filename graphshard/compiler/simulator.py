@@ -52,13 +52,40 @@ class GraphEstimate:
     def peak_memory_bytes(self) -> int:
         return self.memory.peak_bytes
 
-    def chrome_trace(self) -> dict:
-        """chrome://tracing / Perfetto JSON; one thread per lane, zero-length events dropped."""
-        tid = {"compute": 0, "comm": 1}
-        return {"traceEvents": [
-            {"name": e.name, "cat": e.kind, "ph": "X", "pid": 0, "tid": tid[e.lane],
-             "ts": e.start_s * 1e6, "dur": e.dur_s * 1e6}
-            for e in self.events if e.dur_s > 0]}
+    def chrome_trace(self, graph: str = "graph") -> dict:
+        """This graph alone as a Chrome trace (module-level `chrome_trace`)."""
+        return chrome_trace({graph: self})  # the module's function: methods see no class scope
+
+
+_LANE_TID = {"compute": 0, "comm": 1}
+
+
+def chrome_trace(graphs: Mapping[str, GraphEstimate], process_name: str | None = None,
+                 event_args: Mapping[tuple[str, str], dict] | None = None) -> dict:
+    """chrome://tracing / Perfetto JSON of `graphs` ({name: estimate}) run one after another, in
+    mapping order: thread 0 is compute (nodes, and "wait" where compute is blocked on a
+    collective), thread 1 communication; zero-length events dropped. `process_name` names the
+    process and the two threads; `event_args`: extra args of an event, by (graph, node name)."""
+    events: list[dict] = []
+    if process_name is not None:
+        events += [
+            {"ph": "M", "pid": 0, "name": "process_name", "args": {"name": process_name}},
+            {"ph": "M", "pid": 0, "tid": 0, "name": "thread_name", "args": {"name": "compute"}},
+            {"ph": "M", "pid": 0, "tid": 1, "name": "thread_name",
+             "args": {"name": "communication"}},
+        ]
+    event_args = event_args or {}
+    offset = 0.0
+    for graph, estimate in graphs.items():
+        for e in estimate.events:
+            if e.dur_s <= 0:
+                continue
+            events.append({"name": e.name, "cat": f"{graph},{e.kind}", "ph": "X", "pid": 0,
+                           "tid": _LANE_TID[e.lane], "ts": (offset + e.start_s) * 1e6,
+                           "dur": e.dur_s * 1e6,
+                           "args": {"graph": graph, **event_args.get((graph, e.name), {})}})
+        offset += estimate.total_s
+    return {"traceEvents": events, "displayTimeUnit": "ms"}
 
 
 def _waited_collective(wait: fx.Node) -> fx.Node | None:

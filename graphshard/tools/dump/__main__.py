@@ -1,0 +1,5 @@
+import sys
+
+from graphshard.tools.dump.cli import main
+
+sys.exit(main())

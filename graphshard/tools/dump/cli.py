@@ -1,0 +1,153 @@
+"""`graphshard dump` on the command line: arguments, exit statuses, output files."""
+
+from __future__ import annotations
+
+import argparse
+import ast
+import json
+import sys
+import time
+from typing import Any, Callable, Sequence
+
+from graphshard.tools.dump.analysis import dump
+from graphshard.tools.dump.loading import DumpError, load_workload, one_line
+from graphshard.tools.dump.report import format_report
+
+USAGE_ERROR = 2  # bad input: one line on stderr
+COMPILE_ERROR = 1  # the model itself failed to compile
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str):  # one line, not usage + line
+        raise DumpError(message)
+
+
+def _model_args(items: Sequence[str]) -> dict[str, Any]:
+    """['dim=32,n_layers=1', 'vocab_size=64'] -> {...}; values are Python literals."""
+    args: dict[str, Any] = {}
+    for item in (part for text in items for part in text.split(",") if part.strip()):
+        key, sep, value = item.partition("=")
+        if not sep:
+            raise DumpError(f"--model-args expects KEY=VALUE, got {item!r}")
+        try:
+            args[key.strip()] = ast.literal_eval(value.strip())
+        except (ValueError, SyntaxError):
+            args[key.strip()] = value.strip()
+    return args
+
+
+def _parser() -> argparse.ArgumentParser:
+    from graphshard.compiler.backend import STAGES
+    from graphshard.tools.cli import parse_dtype
+
+    p = _Parser(prog="graphshard dump",
+                description="Show what the graphshard compiler does to a model at any world "
+                            "size: graphs per stage, every collective, bytes against theory, "
+                            "and cost-model estimates. One process, fake process group, no "
+                            "weights allocated. JSON schema: graphshard/tools/dump/report.py.")
+    p.add_argument("target", help="built-in model (transformer, transformer-large, llama, "
+                                  "llama3-8b), package.module:factory or path/file.py:factory")
+    p.add_argument("--world-size", "-n", type=int, default=8, help="ranks to simulate (default 8)")
+    p.add_argument("--strategy", default="full_shard",
+                   help="full_shard, shard_grad_op, no_shard or hybrid_shard")
+    p.add_argument("--shard-size", type=int, help="hybrid_shard: ranks per shard group")
+    p.add_argument("--stage", default="none",
+                   help=f"also print the FX graphs after a stage: {', '.join(STAGES)}, or all "
+                        "(default none: the summary only)")
+    p.add_argument("--option", "-o", action="append", default=[], metavar="KEY=VALUE",
+                   help="backend option, as in torch.compile(options=...); repeatable")
+    p.add_argument("--param-dtype", type=parse_dtype, metavar="DTYPE",
+                   help="mixed precision: dtype of gathered parameters (bf16/bfloat16, "
+                        "fp16/float16, fp32/float32)")
+    p.add_argument("--reduce-dtype", type=parse_dtype, metavar="DTYPE",
+                   help="mixed precision: dtype of gradient reduction (same spellings)")
+    p.add_argument("--batch", type=int,
+                   help="batch size (per rank) of the example inputs: factory kwarg batch=")
+    p.add_argument("--seq", type=int,
+                   help="sequence length of the example inputs: factory kwarg seq_len=")
+    p.add_argument("--model-args", action="append", default=[], metavar="K=V,...",
+                   help="factory keyword arguments, e.g. n_layers=2,dim=64 (built-ins: config)")
+    p.add_argument("--no-meta", dest="meta", action="store_false",
+                   help="call a factory as written instead of under torch.device('meta')")
+    p.add_argument("--cluster", metavar="FILE", help="ClusterSpec JSON (graphshard calibrate)")
+    p.add_argument("--json", metavar="FILE",
+                   help="write the report as JSON (schema: graphshard/tools/dump/report.py)")
+    p.add_argument("--trace", metavar="FILE", help="write a Chrome trace of the simulated step")
+    p.add_argument("--quiet", "-q", action="store_true",
+                   help="no progress messages on stderr")
+    return p
+
+
+def _progress_printer(quiet: bool) -> Callable[[str], None]:
+    if quiet:
+        return lambda message: None
+    started = time.perf_counter()
+
+    def show(message: str) -> None:
+        print(f"graphshard dump [{time.perf_counter() - started:5.1f} s]: {message}",
+              file=sys.stderr, flush=True)
+
+    return show
+
+
+def run(argv: Sequence[str]) -> int:
+    from graphshard.compiler.backend import STAGES
+    from graphshard.compiler.options import parse_option_strings
+    from graphshard.policy import ShardingStrategy
+
+    args = _parser().parse_args(list(argv))
+    stage_choices = (*STAGES, "all", "none")
+    if args.stage not in stage_choices:
+        raise DumpError(f"unknown stage {args.stage!r}; valid: {', '.join(stage_choices)}")
+    stages = STAGES if args.stage == "all" else () if args.stage == "none" else (args.stage,)
+    if args.world_size < 1:
+        raise DumpError(f"--world-size must be at least 1, got {args.world_size}")
+    for flag in ("batch", "seq", "shard_size"):
+        value = getattr(args, flag)
+        if value is not None and value < 1:
+            raise DumpError(f"--{flag.replace('_', '-')} must be at least 1, got {value}")
+    try:
+        strategy = ShardingStrategy.parse(args.strategy).value
+        options = parse_option_strings(args.option)
+    except ValueError as e:
+        raise DumpError(str(e)) from None
+    cluster = None
+    if args.cluster:
+        from graphshard.compiler.cost_model import ClusterSpec
+        try:
+            cluster = ClusterSpec.from_json(args.cluster)
+        except (OSError, ValueError, TypeError) as e:
+            raise DumpError(f"--cluster {args.cluster!r}: {one_line(e)}") from None
+
+    workload = load_workload(args.target, meta=args.meta, batch=args.batch, seq_len=args.seq,
+                             model_args=_model_args(args.model_args))
+    try:
+        result = dump(workload, world_size=args.world_size, strategy=strategy, options=options,
+                      stages=stages, shard_size=args.shard_size, param_dtype=args.param_dtype,
+                      reduce_dtype=args.reduce_dtype, cluster=cluster,
+                      progress=_progress_printer(args.quiet))
+    except DumpError:
+        raise
+    except Exception as e:
+        print(f"graphshard dump: compiling {args.target!r} failed: {one_line(e)}", file=sys.stderr)
+        return COMPILE_ERROR
+    print(format_report(result.report, result.texts, stages))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(result.report.to_json(), f, indent=1)
+        print(f"wrote {args.json}")
+    if args.trace:
+        with open(args.trace, "w") as f:
+            json.dump(result.trace, f)
+        print(f"wrote {args.trace}")
+    return 0
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    try:
+        return run(sys.argv[1:] if argv is None else argv)
+    except DumpError as e:
+        print(f"graphshard dump: {e}", file=sys.stderr)
+        return USAGE_ERROR
+    except SystemExit as e:  # --help
+        return int(e.code or 0)

@@ -1,0 +1,159 @@
+"""Target loading: a built-in name or a factory -> (model, inputs, loss_fn), then fake tensors."""
+
+from __future__ import annotations
+
+import contextlib
+import importlib
+import importlib.util
+import os
+import sys
+from dataclasses import dataclass
+from typing import Any, Callable
+
+
+class DumpError(Exception):
+    """Bad input: reported as one line, exit status 2."""
+
+
+def one_line(e: BaseException) -> str:
+    """An exception as `Type: first line of its message`, for one-line error reports."""
+    text = str(e).strip().splitlines()
+    return f"{type(e).__name__}: {text[0]}" if text else type(e).__name__
+
+
+@dataclass
+class Workload:
+    model: Any
+    inputs: tuple
+    loss_fn: Callable | None
+    description: str
+
+
+def import_factory(target: str) -> Callable:
+    """`package.module:factory` or `path/to/file.py:factory` -> the factory."""
+    module_name, _, attr = target.rpartition(":")
+    if not module_name or not attr:
+        raise DumpError(f"target {target!r} must be module:factory or path/to/file.py:factory")
+    if module_name.endswith(".py") or os.sep in module_name or "/" in module_name:
+        module = _import_file(target, module_name)
+    else:
+        module = _import_module(module_name)
+    if not hasattr(module, attr):
+        raise DumpError(f"cannot import {target!r}: module {module_name!r} has no attribute "
+                        f"{attr!r}")
+    factory = getattr(module, attr)
+    if not callable(factory):
+        raise DumpError(f"target {target!r} is not callable (it is a {type(factory).__name__})")
+    return factory
+
+
+def _import_file(target: str, file_name: str):
+    path = os.path.abspath(file_name)
+    if not os.path.isfile(path):
+        raise DumpError(f"cannot import {target!r}: no such file {file_name!r}")
+    name = f"_graphshard_dump_target_{abs(hash(path))}"
+    spec = importlib.util.spec_from_file_location(name, path)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module  # dataclasses and pickling look their module up here
+    sys.path.insert(0, os.path.dirname(path))  # so the file can import its neighbours
+    try:
+        spec.loader.exec_module(module)
+    except Exception as e:
+        del sys.modules[name]
+        raise DumpError(f"cannot import {file_name!r}: {one_line(e)}") from e
+    finally:
+        sys.path.remove(os.path.dirname(path))
+    return module
+
+
+def _import_module(module_name: str):
+    added = os.getcwd() not in sys.path  # as `python -m` does, so local packages resolve
+    if added:
+        sys.path.insert(0, os.getcwd())
+    try:
+        return importlib.import_module(module_name)
+    except Exception as e:
+        raise DumpError(f"cannot import {module_name!r}: {one_line(e)}") from e
+    finally:
+        if added:
+            sys.path.remove(os.getcwd())
+
+
+def load_workload(target: str, *, meta: bool = True, batch: int | None = None,
+                  seq_len: int | None = None, model_args: dict | None = None) -> Workload:
+    """Build (model, inputs, loss_fn) from a built-in name or a factory, under the meta device."""
+    import torch
+    import torch.nn as nn
+
+    from graphshard.tools.models import BUILTIN_MODELS
+
+    kwargs = dict(model_args or {})
+    if target in BUILTIN_MODELS:
+        factory = BUILTIN_MODELS[target]
+        kwargs = {"batch": batch or 1, "seq_len": seq_len or 128, **kwargs}
+        meta = True  # built-ins need no real weights to be dumped
+    elif ":" in target:
+        factory = import_factory(target)
+        kwargs.update({k: v for k, v in (("batch", batch), ("seq_len", seq_len)) if v is not None})
+    else:
+        raise DumpError(f"unknown target {target!r}: expected a built-in model "
+                        f"({', '.join(BUILTIN_MODELS)}), module:factory or file.py:factory")
+    try:
+        with torch.device("meta") if meta else contextlib.nullcontext():
+            result = factory(**kwargs)
+    except Exception as e:
+        hint = ("; it ran under torch.device('meta'): try --no-meta"
+                if meta and "meta" in str(e) and target not in BUILTIN_MODELS else "")
+        raise DumpError(f"factory {target!r} raised {one_line(e)}{hint}") from e
+    shape = "(model, example_inputs) or (model, example_inputs, loss_fn)"
+    if not isinstance(result, tuple) or len(result) not in (2, 3):
+        got = f"a tuple of {len(result)}" if isinstance(result, tuple) else type(result).__name__
+        raise DumpError(f"factory {target!r} must return {shape}; got {got}")
+    model, inputs, loss_fn = (*result, None) if len(result) == 2 else result
+    if not isinstance(model, nn.Module):
+        raise DumpError(f"factory {target!r} must return {shape}; its model is a "
+                        f"{type(model).__name__}, not an nn.Module")
+    if isinstance(inputs, torch.Tensor):
+        inputs = (inputs,)
+    if not isinstance(inputs, (tuple, list)):
+        raise DumpError(f"factory {target!r} must return {shape}; example_inputs is a "
+                        f"{type(inputs).__name__}, not a tuple of inputs (or one tensor)")
+    if loss_fn is not None and not callable(loss_fn):
+        raise DumpError(f"factory {target!r} must return {shape}; loss_fn is a "
+                        f"{type(loss_fn).__name__}, not callable")
+    if not any(True for _ in model.parameters()):
+        raise DumpError(f"factory {target!r} returned a model without parameters: nothing to shard")
+    return Workload(model, tuple(inputs), loss_fn, target)
+
+
+def to_fake_tensors(workload: Workload, fake_mode, device: str = "cpu") -> None:
+    """Parameters, buffers and inputs -> FakeTensors on `device`: shapes and dtypes, no memory.
+
+    Meta tensors would do for tracing, but Inductor's joint-graph passes replace every meta
+    value the graph returns with empty_strided, which would hollow out the graphs we show.
+    """
+    import torch
+
+    # to_empty gives each module a new Parameter: tied weights would come back untied (two
+    # gathers, two reductions, counted twice). Re-tie them afterwards.
+    owners: dict[int, list[tuple[object, str]]] = {}
+    for module in workload.model.modules():
+        for name, param in module._parameters.items():
+            if param is not None:
+                owners.setdefault(id(param), []).append((module, name))
+    with fake_mode:
+        workload.model.to_empty(device=device)
+    for tied in owners.values():
+        first_module, first_name = tied[0]
+        for module, name in tied[1:]:
+            module._parameters[name] = first_module._parameters[first_name]
+    with fake_mode:
+
+        def fake(t):
+            if not isinstance(t, torch.Tensor):
+                return t
+            if t.is_meta:
+                return torch.empty_like(t, device=device).requires_grad_(t.requires_grad)
+            return fake_mode.from_tensor(t)
+
+        workload.inputs = torch.utils._pytree.tree_map(fake, workload.inputs)
