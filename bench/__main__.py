@@ -42,7 +42,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--steps", type=int, default=10, help="timed steps per method per repeat")
     p.add_argument("--repeats", type=int, default=3, help="interleaved rounds over the methods")
     p.add_argument("--warmup", type=int, default=3, help="untimed steps first (>= 1; the first compiles)")
-    p.add_argument("--optimizer", choices=("adamw", "sgd"), default="adamw")
+    p.add_argument("--optimizer", choices=("fused_adamw", "adamw", "sgd"), default="fused_adamw",
+                   help="the same for every method; adamw: the default for-loop implementation")
     p.add_argument("--lr", type=float, default=1e-3)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", default="bench_results.json", help="where to write the results")

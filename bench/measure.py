@@ -7,11 +7,16 @@ graph), ends in one `gloo:<kind>` event in the backend, with its tensor's shape.
 buffers Inductor's generated code allocates directly (which a TorchDispatchMode such as
 MemTracker never sees).
 
-Memory is counted from the start of the profiling session: only blocks allocated while it runs
-are tracked. So the session is opened before the method's model copy is made, and the peak of
-the running total inside the measured step is that method's per-rank footprint (its parameters,
-optimizer state, gradient buffers and the step's transients), excluding what all methods share
-(the pristine model, inputs, the interpreter).
+Memory: each allocation event carries the CPU allocator's running total of live bytes. The
+profiler only records events on the threads it profiles, and by default the allocator only
+counts frees made on those threads too, so a buffer freed on one of gloo's threads (an
+all-to-all's send buffer, a finished collective's input) stayed "live" forever.
+`count_frees_on_every_thread()` (call it first thing in each process) makes the allocator keep
+its total on every thread, so the totals the events report are the true live bytes. A method's
+footprint is the peak of that total inside the measured step, less the total when the profiling
+session opened (before the method's model copy is made): its parameters, optimizer state,
+gradient buffers and the step's transients, excluding what all methods share (the pristine
+model, inputs, the interpreter).
 """
 
 from __future__ import annotations
@@ -22,10 +27,12 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Iterator
 
+from torch._C._profiler import _EventType
 from torch.profiler import ProfilerActivity, profile, record_function
 
+from graphshard._torch_compat import count_cpu_frees_on_every_thread as count_frees_on_every_thread
+
 STEP_MARK = "bench::measured_step"
-_MEMORY_EVENT = "[memory]"
 _GLOO_PREFIX = "gloo:"
 _FLOAT32_BYTES = 4
 
@@ -74,9 +81,21 @@ def _message_bytes(kind: str, shapes: list, world_size: int) -> int:
     return numel * factor * _FLOAT32_BYTES
 
 
+def _allocations(prof: profile) -> list[tuple[int, int, int]]:
+    """(time ns, bytes (negative: a free), allocator's total live bytes after it), in time order."""
+    found, stack = [], list(prof.profiler.kineto_results.experimental_event_tree())
+    while stack:
+        node = stack.pop()
+        stack.extend(node.children)
+        if node.tag == _EventType.Allocation and node.extra_fields.device.type == "cpu":
+            fields = node.extra_fields
+            found.append((node.start_time_ns, fields.alloc_size, fields.total_allocated))
+    return sorted(found)
+
+
 def analyze(prof: profile, world_size: int) -> StepProfile:
     """Collectives and peak memory of the `measured_step` in a finished `memory_profile`."""
-    # kineto_results is the one place the raw event stream (with allocator events) is exposed.
+    # kineto_results is the one place the raw event stream is exposed.
     events = sorted(prof.profiler.kineto_results.events(), key=lambda e: e.start_ns())
     marks = [e for e in events if e.name() == STEP_MARK]
     if len(marks) != 1:
@@ -85,22 +104,21 @@ def analyze(prof: profile, world_size: int) -> StepProfile:
 
     counts: dict[str, int] = defaultdict(int)
     sizes: dict[str, int] = defaultdict(int)
-    live, entry_level, step_max = 0, None, 0
     for event in events:
-        name, t = event.name(), event.start_ns()
-        if entry_level is None and t >= start:
-            entry_level = live  # what the method holds on entering the step
-        in_step = start <= t <= end
-        if name == _MEMORY_EVENT:
-            live += event.nbytes()
-            if in_step:
-                step_max = max(step_max, live)
-        elif name.startswith(_GLOO_PREFIX) and in_step:
+        name = event.name()
+        if name.startswith(_GLOO_PREFIX) and start <= event.start_ns() <= end:
             kind = name[len(_GLOO_PREFIX):]
             counts[kind] += 1
             sizes[kind] += _message_bytes(kind, event.shapes(), world_size)
-    peak = max(live if entry_level is None else entry_level, step_max)
-    return StepProfile(dict(counts), dict(sizes), peak)
+    allocations = _allocations(prof)
+    if not allocations:
+        return StepProfile(dict(counts), dict(sizes), 0)
+    _, first_bytes, first_total = allocations[0]
+    at_open = first_total - first_bytes  # live bytes when the session opened
+    before = [total for t, _, total in allocations if t < start]
+    during = [total for t, _, total in allocations if start <= t <= end]
+    peak = max(during + before[-1:], default=at_open)  # entering the step, or inside it
+    return StepProfile(dict(counts), dict(sizes), peak - at_open)
 
 
 @dataclass(frozen=True)

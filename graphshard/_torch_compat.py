@@ -9,6 +9,7 @@ from __future__ import annotations
 from contextlib import contextmanager
 from typing import Any, Callable, Sequence
 
+import torch
 import torch.fx as fx
 
 
@@ -77,6 +78,28 @@ def fake_mode_of_inputs(example_inputs: Sequence[Any]):
 
     with V.set_fake_mode(detect_fake_mode(example_inputs)):
         yield
+
+
+def real_tensors():
+    """A context in which new tensors are real, not fake: for a collective a backend runs while
+    AOTAutograd traces under its fake mode (agreeing on a decision across ranks). Public
+    replacement: none."""
+    from torch._subclasses.fake_tensor import unset_fake_temporarily
+
+    return unset_fake_temporarily()
+
+
+def count_cpu_frees_on_every_thread() -> None:
+    """Make the CPU allocator keep its live-bytes total on every thread (the profiler's memory
+    events report that total): by default a free on a thread the profiler does not profile (one
+    of gloo's) is never subtracted. The c10 flag caffe2_report_cpu_memory_usage does exactly
+    this; it has no Python binding, so it is set in libc10 directly. Public replacement: none
+    (torch.cpu has no memory statistics)."""
+    import ctypes
+    import os
+
+    libc10 = ctypes.CDLL(os.path.join(os.path.dirname(torch.__file__), "lib", "libc10.so"))
+    ctypes.c_bool.in_dll(libc10, "FLAGS_caffe2_report_cpu_memory_usage").value = True
 
 
 def short_traceback_error() -> type:

@@ -16,6 +16,8 @@ class PassContext:
     cluster: Any = None  # graphshard.compiler.cost_model.ClusterSpec for the cost model (None: default)
     # collective kinds to exchange by all-to-all: resolved from the options and the group's backend
     via_all_to_all: frozenset[str] = frozenset()
+    # joint graph, reshard_after_forward="auto": the parameters the backend chose to keep gathered
+    keep_gathered: frozenset[str] | None = None
 
     def __post_init__(self):
         if self.graph_kind not in GRAPH_KINDS:

@@ -122,3 +122,38 @@ def memory_estimate(gm: fx.GraphModule | fx.Graph) -> MemoryEstimate:
             peak, peak_node = live, node.name
         live -= sum(buffers.sizes[b] for b in frees.get(i, ()) if b not in buffers.inputs)
     return MemoryEstimate(placeholder_bytes, peak, placeholder_bytes + peak, peak_node)
+
+
+@dataclass(frozen=True)
+class StepMemory:
+    """What a training step's graphs allocate beyond their inputs (model state and batch)."""
+
+    forward_transient_bytes: int  # forward's own peak, including the activations it saves
+    backward_saved_bytes: int  # backward inputs that are not forward inputs: saved activations
+    backward_transient_bytes: int  # backward's own peak
+    peak_graph: str  # "forward" or "backward"
+    peak_node: str | None
+
+    @property
+    def transient_bytes(self) -> int:
+        return max(self.forward_transient_bytes,
+                   self.backward_saved_bytes + self.backward_transient_bytes)
+
+
+def step_memory(forward: fx.GraphModule, backward: fx.GraphModule | None,
+                forward_estimate: MemoryEstimate | None = None,
+                backward_estimate: MemoryEstimate | None = None) -> StepMemory:
+    """Forward then backward; the backward's working set is what forward saved plus its own peak.
+    Pass the graphs' estimates where they are already computed."""
+    fw = forward_estimate or memory_estimate(forward)
+    if backward is None:
+        return StepMemory(fw.peak_transient_bytes, 0, 0, "forward", fw.peak_node)
+    bw = backward_estimate or memory_estimate(backward)
+    # Backward inputs other than forward inputs (primals_*: shards and the batch).
+    saved = sum(tensor_bytes(n.meta["val"]) for n in backward.graph.nodes
+                if n.op == "placeholder" and not n.name.startswith("primals")
+                and isinstance(n.meta.get("val"), torch.Tensor))
+    backward_peak = saved + bw.peak_transient_bytes > fw.peak_transient_bytes
+    return StepMemory(fw.peak_transient_bytes, saved, bw.peak_transient_bytes,
+                      "backward" if backward_peak else "forward",
+                      bw.peak_node if backward_peak else fw.peak_node)

@@ -119,7 +119,9 @@ def _checkpointed_step(rank: int, world: int):
     Dynamo graph's markers per (sub)graph, the lowered graphs' collectives, the full grads."""
     torch.manual_seed(0)
     model = graphshard.shard(AllCheckpointed())
-    capture = GraphCapture(stages=("lowered",), keep=_collectives)
+    # reshard_after_forward=True: every parameter is gathered again in backward (by default the
+    # last one of forward would stay gathered, tests/test_reshard_policy.py).
+    capture = GraphCapture({"reshard_after_forward": True}, stages=("lowered",), keep=_collectives)
     markers = {}
 
     def backend(gm, example_inputs):

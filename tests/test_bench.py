@@ -4,14 +4,17 @@ collective counter on graphshard's step."""
 from __future__ import annotations
 
 import json
+import threading
 from dataclasses import asdict
 
 import pytest
+import torch
 from torch.distributed.device_mesh import init_device_mesh
 
 from graphshard.bench.__main__ import main
 from graphshard.bench.harness import BenchConfig, set_up
-from graphshard.bench.measure import analyze, measured_step, memory_profile
+from graphshard.bench.measure import (analyze, count_frees_on_every_thread, measured_step,
+                                      memory_profile)
 from graphshard.bench.workload import build_workload, transformer_blocks
 from graphshard.tools.launch import run_local
 
@@ -82,3 +85,22 @@ def test_collectives_counted_per_step_for_graphshard_match_its_units():
     for profile in run_local(_profiled_graphshard_step, 2):
         assert profile["collectives"] == {"all_gather": 2 * units - 1, "all_to_all": units}
         assert profile["comm_bytes"]["all_to_all"] == param_bytes
+
+
+def test_peak_memory_sees_frees_made_on_other_threads():
+    """A known pattern: 4 MiB held entering the step and freed on another thread (as gloo's
+    threads free collective buffers), then 4 + 2 MiB allocated: the peak is 6 MiB, not the 10
+    MiB a count that misses the free would report."""
+    count_frees_on_every_thread()
+    mib = 2**20
+    held = {}
+    with memory_profile() as prof:
+        held["a"] = torch.empty(4 * mib, dtype=torch.uint8)
+        with measured_step():
+            thread = threading.Thread(target=held.pop, args=("a",))
+            thread.start()
+            thread.join()
+            b = torch.empty(4 * mib, dtype=torch.uint8)
+            c = torch.empty(2 * mib, dtype=torch.uint8)
+            del b, c
+    assert analyze(prof, world_size=1).peak_bytes == 6 * mib

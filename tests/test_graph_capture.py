@@ -57,7 +57,9 @@ def test_one_all_gather_per_parameter_use_and_one_reduce_scatter_per_trainable(f
 
 def test_full_shard_regathers_in_backward_and_saves_no_full_weight(fake_pg):
     model, inputs, loss_fn = build_model("transformer", dim=64, n_layers=2, vocab_size=64, batch=2, seq_len=8)
-    graphs = capture_step(model, inputs, loss_fn, strategy="full_shard", options=UNBUCKETED)
+    # reshard_after_forward=True: no unit kept, not even the last of forward (the default's).
+    graphs = capture_step(model, inputs, loss_fn, strategy="full_shard",
+                          options={**UNBUCKETED, "reshard_after_forward": True})
     fwd, bwd = graphs[("forward", "lowered")], graphs[("backward", "lowered")]
     assert len(call_nodes(bwd, ALL_GATHER)) > 0
     saved = list(fwd.graph.output_node().args[0])[1:]  # outputs after the loss are saved tensors

@@ -14,27 +14,32 @@ from __future__ import annotations
 
 import inspect
 import math
-from dataclasses import dataclass
+import warnings
+from dataclasses import dataclass, replace
 from typing import Any, Callable, Mapping, Sequence
 
 import torch
+import torch.distributed as dist
 import torch.fx as fx
 from torch.distributed.tensor import DTensor
 
 from graphshard import _torch_compat as compat
 from graphshard.compiler import ops  # noqa: F401  (registers torch.ops.graphshard.*)
-from graphshard.compiler.cost_model import ClusterSpec, collective_node_cost, node_cost
+from graphshard.compiler.cost_model import (ClusterSpec, collective_node_cost, collective_time,
+                                            node_cost)
 from graphshard.compiler.options import GraphshardOptions
 from graphshard.passes.context import PassContext
-from graphshard.passes.graph_utils import is_reduce_grad, is_unshard
-from graphshard.passes.markers import UnshardSpec
+from graphshard.passes.graph_utils import is_reduce_grad, is_unshard, tensor_bytes
+from graphshard.passes.liveness import step_memory
+from graphshard.passes.markers import ReduceSpec, UnshardSpec
 from graphshard.passes.bucket_collectives import bucket_collectives
 from graphshard.passes.insert_collectives import insert_collectives
 from graphshard.passes.all_gather_via_all_to_all import all_gather_via_all_to_all
 from graphshard.passes.merge_duplicate_unshards import merge_duplicate_unshards
 from graphshard.passes.reduce_scatter_via_all_to_all import reduce_scatter_via_all_to_all
 from graphshard.passes.reorder_collectives import ReorderPolicy, reorder_collectives
-from graphshard.passes.reshard_policy import tag_reshard_policy
+from graphshard.passes.reshard_policy import (last_forward_unit, rank_units_to_keep, reshard_unit,
+                                               tag_reshard_policy, unit_costs)
 
 def _schedule(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
     budget = ctx.options.max_inflight_mb
@@ -76,6 +81,36 @@ def _param_order(gm: fx.GraphModule) -> dict[str, int]:
     """Parameter name -> registration index, from the markers (bucketing packs in this order)."""
     specs = (UnshardSpec.from_node(node) for node in _all_nodes(gm) if is_unshard(node))
     return {spec.name: spec.order for spec in specs}
+
+
+def model_state_bytes(joint: fx.GraphModule) -> int:
+    """Per-rank bytes the step does not allocate itself: the joint graph's inputs (parameter
+    shards, buffers, the batch) plus, for each trainable shard, its gradient and two optimizer
+    states (Adam's), as `graphshard dump` counts them."""
+    nodes = joint.graph.nodes
+    inputs = sum(tensor_bytes(n.meta["val"]) for n in nodes  # primals: not the tangents
+                 if n.op == "placeholder" and n.name.startswith("primals")
+                 and isinstance(n.meta.get("val"), torch.Tensor))
+    reduced = {ReduceSpec.from_node(n).name for n in nodes if is_reduce_grad(n)}
+    trainable = {UnshardSpec.from_node(n).name: n.args[0] for n in nodes
+                 if is_unshard(n) and UnshardSpec.from_node(n).name in reduced}
+    return inputs + 3 * sum(tensor_bytes(shard.meta["val"]) for shard in trainable.values())
+
+
+def _unshard_specs(gm: fx.GraphModule) -> dict[str, UnshardSpec]:
+    specs = (UnshardSpec.from_node(n) for n in gm.graph.nodes if is_unshard(n))
+    return {spec.name: spec for spec in specs}
+
+
+def agree_on_minimum(value: int) -> int:
+    """The minimum of `value` over all ranks (decisions that change collectives must match)."""
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return value
+    device = "cuda" if dist.get_backend() == "nccl" else "cpu"
+    with compat.real_tensors():  # called while compiling, under the compile's fake mode
+        agreed = torch.tensor([value], device=device)
+        dist.all_reduce(agreed, op=dist.ReduceOp.MIN)
+        return int(agreed.item())
 
 
 def _partitioned(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
@@ -162,8 +197,50 @@ class GraphshardCompiler:
         return PassContext(graph_kind, self.options, param_order, self.cluster, via_all_to_all)
 
     def _partition(self, joint: fx.GraphModule, joint_inputs, **kwargs):
-        joint = run_pipeline(joint, self._context("joint"), self.observer)
+        ctx = self._context("joint")
+        if self.options.reshard_after_forward == "auto":
+            ctx = replace(ctx, keep_gathered=self._choose_kept_units(joint, joint_inputs, kwargs))
+        joint = run_pipeline(joint, ctx, self.observer)
         return compat.inductor_partition(joint, joint_inputs, **kwargs)
+
+    def _choose_kept_units(self, joint: fx.GraphModule, joint_inputs, kwargs) -> frozenset[str]:
+        """reshard_after_forward="auto": rank the units by gather time saved per byte kept, then
+        keep the longest prefix of that ranking whose predicted peak, by the same passes and
+        memory model as `graphshard dump`, fits memory_budget_mb (a binary search: each probe
+        partitions and estimates the step once). Ranks agree on the prefix length: the minimum
+        over ranks (the ranking itself uses only rank-invariant sizes)."""
+        free = last_forward_unit(joint)  # kept at no cost in peak memory, as by default
+        names = _unshard_specs(joint)
+
+        def keep_set(units: list[str]) -> frozenset[str]:
+            return free | {name for name in names if reshard_unit(name) in units}
+
+        def predicted_peak(keep: frozenset[str]):
+            tag_reshard_policy(joint, replace(self._context("joint"), keep_gathered=keep))
+            forward, backward = compat.inductor_partition(joint, joint_inputs, **kwargs)
+            regathered = {n for n, spec in _unshard_specs(backward).items() if spec.gather_size > 1}
+            forward = run_pipeline(forward, self._context("forward", *self._split_context))
+            backward = run_pipeline(backward, self._context("backward", *self._split_context))
+            return model_state_bytes(joint) + step_memory(forward, backward).transient_bytes, regathered
+
+        budget = self.options.memory_budget_mb * 2**20
+        base_peak, regathered = predicted_peak(free)
+        ranked = rank_units_to_keep(unit_costs(joint, regathered, lambda nbytes, group_size:
+                                               collective_time("all_gather", nbytes, group_size,
+                                                               self.cluster)))
+        if base_peak > budget:
+            warnings.warn(f"graphshard: memory_budget_mb={self.options.memory_budget_mb} is below "
+                          f"the predicted peak with every unit resharded ({base_peak / 2**20:.1f} "
+                          "MiB): no unit is kept gathered beyond the default")
+            ranked = []
+        fits, misses = 0, len(ranked) + 1  # predicted_peak(prefix of `fits`) <= budget < ...misses
+        while misses - fits > 1:
+            probe = (fits + misses) // 2
+            if predicted_peak(keep_set(ranked[:probe]))[0] <= budget:
+                fits = probe
+            else:
+                misses = probe
+        return keep_set(ranked[:agree_on_minimum(fits)])
 
     def _graph_compiler(self, graph_kind: str, param_order: Mapping[str, int],
                         via_all_to_all: frozenset[str]):
@@ -187,6 +264,7 @@ class GraphshardCompiler:
         gm = run_pipeline(gm, self._context("dynamo"), self.observer)
         param_order = _param_order(gm)
         via_all_to_all = self.options.via_all_to_all(on_gloo=_uses_gloo(gm))
+        self._split_context = (param_order, via_all_to_all)
         backend = compat.aot_autograd_backend(
             fw_compiler=self._graph_compiler("forward", param_order, via_all_to_all),
             bw_compiler=self._graph_compiler("backward", param_order, via_all_to_all),

@@ -5,6 +5,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 from dataclasses import asdict, dataclass, fields
 from typing import Any, Mapping
@@ -24,6 +25,11 @@ class GraphshardOptions:
     all_gather: str = "auto"  # "native", "all_to_all" (of N shard copies), "auto": a2a on gloo
     compiler: str = "inductor"  # final compiler: "inductor", or "eager" (run the FX graph)
     cluster: str | None = None  # cost-model JSON from `graphshard calibrate`; None: built-in
+    # Keep a unit's gathered weights from forward to backward? None: the strategy decides
+    # (full_shard: only the last unit of forward); True / False: every unit resharded / kept;
+    # {module-name pattern: bool}; "auto": the cost model chooses within memory_budget_mb.
+    reshard_after_forward: bool | str | Mapping[str, bool] | None = None
+    memory_budget_mb: float | None = None  # per-rank peak (MiB) that "auto" keeps within
 
     def __post_init__(self):
         def check(ok: bool, message: str) -> None:
@@ -41,6 +47,20 @@ class GraphshardOptions:
             f"max_inflight_mb must be a number >= 0 or None, got {self.max_inflight_mb!r}")
         check(self.cluster is None or (isinstance(self.cluster, str) and os.path.isfile(self.cluster)),
               f"cluster must be the path of a JSON file from `graphshard calibrate`, got {self.cluster!r}")
+        reshard = self.reshard_after_forward
+        check(reshard is None or isinstance(reshard, bool) or reshard == "auto" or (
+            isinstance(reshard, Mapping) and all(
+                isinstance(k, str) and isinstance(v, bool) for k, v in reshard.items())),
+              "reshard_after_forward must be True, False, 'auto', None or a mapping from "
+              f"module-name patterns to bools, got {reshard!r}")
+        check(self.memory_budget_mb is None or (
+            isinstance(self.memory_budget_mb, (int, float)) and not isinstance(self.memory_budget_mb, bool)
+            and self.memory_budget_mb > 0),
+            f"memory_budget_mb must be a number > 0 or None, got {self.memory_budget_mb!r}")
+        check((reshard == "auto") == (self.memory_budget_mb is not None),
+              "memory_budget_mb goes with reshard_after_forward='auto' (the budget it keeps "
+              f"within), and 'auto' needs it; got reshard_after_forward={reshard!r}, "
+              f"memory_budget_mb={self.memory_budget_mb!r}")
         for kind in TRANSPORTED_KINDS:
             mode = getattr(self, kind)
             check(mode in ("auto", "native", "all_to_all"),
@@ -98,19 +118,34 @@ def parse_option_strings(pairs: list[str]) -> dict[str, Any]:
         text = text.strip()
         if text.lower() == "none":
             value: Any = None
+        elif key == "reshard_after_forward":
+            value = _reshard_option(text)
         elif isinstance(default, bool):
             if text.lower() not in ("true", "false", "1", "0", "yes", "no", "on", "off"):
                 raise ValueError(f"option {key} expects true/false, got {text!r}")
             value = text.lower() in ("true", "1", "yes", "on")
         elif isinstance(default, int):
             value = _number(key, text, int)
-        elif isinstance(default, float) or key == "max_inflight_mb":
+        elif isinstance(default, float) or key in ("max_inflight_mb", "memory_budget_mb"):
             value = _number(key, text, float)
         else:
             value = text
         parsed[key] = value
     GraphshardOptions.from_dict(parsed)  # validate values now, with the option's own message
     return parsed
+
+
+def _reshard_option(text: str):
+    """true / false / auto, or JSON {"pattern": bool, ...}."""
+    if text.lower() in ("true", "false"):
+        return text.lower() == "true"
+    if text.lower() == "auto":
+        return "auto"
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError:
+        raise ValueError("option reshard_after_forward expects true, false, auto or a JSON "
+                         f'mapping like {{"layers.*": false}}, got {text!r}') from None
 
 
 def _number(key: str, text: str, kind: type):

@@ -211,39 +211,32 @@ def difference_notes(records: list[CollectiveRecord], infos: dict[str, ParamInfo
     return notes
 
 
-def memory_summary(fw, bw, bw_graph, infos: dict[str, ParamInfo],
+def memory_summary(fw, bw, fw_graph, bw_graph, infos: dict[str, ParamInfo],
                    input_bytes: int) -> MemorySummary:
     """Per-rank peak: model state (shards, gradients, AdamW state) plus the larger of the
     forward's and the backward's transient memory from the cost model's liveness walk.
-    fw, bw: simulator.GraphEstimate (bw None without a backward); bw_graph: its GraphModule."""
-    from graphshard.compiler.cost_model import value_bytes
+    fw, bw: simulator.GraphEstimate (bw None without a backward); fw_graph, bw_graph: theirs."""
+    from graphshard.passes.liveness import step_memory
 
     param_bytes = sum(p.local_numel * p.dtype.itemsize for p in infos.values())
     grad_bytes = sum(p.local_numel * p.dtype.itemsize for p in infos.values() if p.requires_grad)
     optimizer_bytes = 2 * grad_bytes
     state = param_bytes + grad_bytes + optimizer_bytes
-    fw_peak = fw.memory.peak_transient_bytes  # includes what forward saves (its outputs)
-    saved = bw_peak = bw_transient = 0
-    if bw is not None:
-        # Backward inputs other than forward inputs (primals_*, i.e. shards and the batch,
-        # counted above): the saved activations and the output's gradient.
-        saved = sum(int(value_bytes(n.meta.get("val"))) for n in bw_graph.graph.nodes
-                    if n.op == "placeholder" and not n.name.startswith("primals"))
-        bw_transient = bw.memory.peak_transient_bytes
-        bw_peak = saved + bw_transient
-    peak_graph = "backward" if bw_peak > fw_peak else "forward"
+    # The same step model the backend's reshard_after_forward="auto" keeps within its budget.
+    step = step_memory(fw_graph, bw_graph if bw is not None else None, fw.memory,
+                       bw.memory if bw is not None else None)
     return MemorySummary(
         param_bytes=param_bytes,
         grad_bytes=grad_bytes,
         optimizer_bytes=optimizer_bytes,
         model_state_bytes=state,
         input_bytes=input_bytes,
-        forward_transient_bytes=fw_peak,
-        backward_saved_bytes=saved,
-        backward_transient_bytes=bw_transient,
-        peak_graph=peak_graph,
-        peak_node=(bw if peak_graph == "backward" else fw).memory.peak_node,
-        peak_bytes=state + input_bytes + max(fw_peak, bw_peak),
+        forward_transient_bytes=step.forward_transient_bytes,
+        backward_saved_bytes=step.backward_saved_bytes,
+        backward_transient_bytes=step.backward_transient_bytes,
+        peak_graph=step.peak_graph,
+        peak_node=step.peak_node,
+        peak_bytes=state + input_bytes + step.transient_bytes,
     )
 
 
@@ -350,7 +343,8 @@ def dump(workload: Workload, *, world_size: int, strategy: str = "full_shard", o
     fw, bw = estimates["forward"], estimates.get("backward")
     comm = comm_summary(records, infos, strategy, world_size, shard_size or world_size,
                         has_backward=bw is not None)
-    memory = memory_summary(fw, bw, cap.final.get("backward"), infos, input_bytes)
+    memory = memory_summary(fw, bw, cap.final["forward"], cap.final.get("backward"), infos,
+                            input_bytes)
     report = DumpReport(
         target=workload.description,
         world_size=world_size,

@@ -1,0 +1,121 @@
+"""reshard_after_forward per unit, under a memory budget: which backward gathers disappear
+(graphs at world size 8, fake process group), the budget kept by the predicted peak, bad
+options, and numerics under Inductor on gloo against a single process."""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import json
+
+import pytest
+import torch
+
+from graphshard.compiler.options import GraphshardOptions
+from graphshard.tools import dump
+from graphshard.tools.launch import run_local
+from tests.workers import Training, gpt_data, reference, train
+from tests.zoo import TinyGPT, zoo_loss
+
+# 4 blocks (units layers.0..3 of about 1 MiB gathered each), output projection last.
+MODEL = ["transformer", "--model-args", "n_layers=4,dim=128", "--batch", "2", "--seq", "32",
+         "--world-size", "8", "--quiet"]
+LAYERS = [f"layers.{i}" for i in range(4)]
+
+
+def _dump(tmp_path, *options: str) -> dict:
+    out = tmp_path / "dump.json"
+    argv = [*MODEL, "--json", str(out)]
+    for option in options:
+        argv += ["--option", option]
+    assert dump.main(argv) == 0
+    return json.loads(out.read_text())
+
+
+def _regathered(report: dict) -> set[str]:
+    """Units (repeated blocks, else modules) whose parameters backward gathers again."""
+    names = {p for c in report["collectives"] if c["graph"] == "backward" and c["op"] == "all_gather"
+             for p in c["params"]}
+    return {n.split(".")[0] + "." + n.split(".")[1] if n.startswith("layers.") else n.rsplit(".", 1)[0]
+            for n in names}
+
+
+@pytest.fixture(scope="module")
+def reports(tmp_path_factory) -> dict:
+    """One dump per option value, shared by the assertions below."""
+    tmp = tmp_path_factory.mktemp("reshard")
+    values = {"default": (), "true": ("reshard_after_forward=true",),
+              "false": ("reshard_after_forward=false",),
+              "pattern": ('reshard_after_forward={"layers.*": false, "layers.0": true}',)}
+    result = {name: _dump(tmp, *options) for name, options in values.items()}
+    resharded, kept = (result[k]["estimate"]["peak_memory_bytes"] / 2**20 for k in ("true", "false"))
+    result["budgets"] = {}
+    for fraction in (0.0, 0.35, 0.7, 1.0):  # from "nothing fits" to "everything fits"
+        budget = resharded + fraction * (kept - resharded) + 0.01
+        result["budgets"][budget] = _dump(tmp, "reshard_after_forward=auto", f"memory_budget_mb={budget}")
+    return result
+
+
+def test_default_keeps_only_the_last_unit_of_forward(reports):
+    # full_shard: every block is gathered again in backward; the output projection, which
+    # forward uses last and backward first, is kept (it is still gathered when forward ends).
+    assert _regathered(reports["default"]) == {*LAYERS, "norm"}
+    assert _regathered(reports["true"]) == {*LAYERS, "norm", "output"}
+    assert _regathered(reports["false"]) == set()
+
+
+def test_a_pattern_mapping_decides_per_unit_deepest_match_wins(reports):
+    assert _regathered(reports["pattern"]) == {"layers.0", "norm"}
+
+
+def test_keeping_units_trades_memory_for_communication(reports):
+    true, false = reports["true"]["estimate"], reports["false"]["estimate"]
+    assert false["peak_memory_bytes"] > true["peak_memory_bytes"]
+    assert false["comm_bytes"] < true["comm_bytes"] and false["step_s"] < true["step_s"]
+
+
+def test_auto_keeps_the_most_units_the_budget_allows(reports):
+    kept_counts = []
+    for budget, report in sorted(reports["budgets"].items()):
+        peak = report["estimate"]["peak_memory_bytes"] / 2**20
+        kept = [layer for layer in LAYERS if layer not in _regathered(report)]
+        kept_counts.append(len(kept))
+        if budget >= reports["default"]["estimate"]["peak_memory_bytes"] / 2**20:
+            assert peak <= budget, (budget, peak, kept)
+        # Ties go to the units backward gathers first: the last blocks of forward.
+        assert kept == LAYERS[len(LAYERS) - len(kept):], kept
+    assert kept_counts[0] == 0 and kept_counts[-1] == len(LAYERS), kept_counts
+    assert kept_counts == sorted(kept_counts) and len(set(kept_counts)) >= 3, kept_counts
+
+
+@pytest.mark.parametrize("options, message", [
+    ({"reshard_after_forward": "auto"}, "memory_budget_mb"),
+    ({"memory_budget_mb": 100}, "memory_budget_mb goes with"),
+    ({"reshard_after_forward": {"layers.*": "no"}}, "mapping from module-name patterns to bools"),
+    ({"reshard_after_forward": "sometimes"}, "reshard_after_forward must be"),
+])
+def test_bad_reshard_options_are_clear_errors(options, message):
+    with pytest.raises(ValueError, match=message):
+        GraphshardOptions.from_dict(options)
+
+
+def test_reshard_options_match_a_single_process_under_inductor():
+    """World size 2, Inductor, gloo: keeping all, some (pattern, with activation checkpointing)
+    or the budget's choice of units gathered, with gradient accumulation, changes no number."""
+    base = Training(model=functools.partial(TinyGPT, "none", n_blocks=3),
+                    data=functools.partial(gpt_data, batch=8), loss=zoo_loss,
+                    optimizer=functools.partial(torch.optim.SGD, lr=0.05), steps=2)
+    runs = [
+        dataclasses.replace(base, compile={"reshard_after_forward": False}),
+        dataclasses.replace(base, model=functools.partial(TinyGPT, "full", n_blocks=3),
+                            compile={"reshard_after_forward": {"blocks.*": False, "blocks.1": True}}),
+        dataclasses.replace(base, compile={"reshard_after_forward": "auto", "memory_budget_mb": 64},
+                            micro_batches=2),
+    ]
+    results = run_local(train, 2, runs)
+    for run, per_rank in zip(runs, zip(*results)):
+        ref = reference(run)
+        for result in per_rank:
+            assert max(abs(a - b) for a, b in zip(result.losses, ref.losses)) < 1e-5, run.compile
+            for name, value in ref.params.items():
+                assert torch.allclose(result.params[name], value, atol=1e-5), (run.compile, name)
