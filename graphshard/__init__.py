@@ -4,6 +4,7 @@
     model = torch.compile(model, backend="graphshard")    # collectives inserted as FX passes
 """
 
+from graphshard.activation_checkpointing import apply_activation_checkpointing
 from graphshard.grad_sync import no_sync, set_requires_all_reduce, set_requires_gradient_sync
 from graphshard.init import materialize
 from graphshard.policy import MixedPrecisionPolicy, ShardingStrategy
@@ -12,4 +13,5 @@ from graphshard.sharding import is_sharded, shard
 __all__ = [
     "shard", "is_sharded", "MixedPrecisionPolicy", "ShardingStrategy",
     "no_sync", "set_requires_gradient_sync", "set_requires_all_reduce", "materialize",
+    "apply_activation_checkpointing",
 ]

@@ -50,9 +50,26 @@ class MixedPrecisionPolicy:
             raise ValueError(f"cast_forward_inputs must be a bool, got {self.cast_forward_inputs!r}")
 
 
+# Floating dtypes by name, spelled short (bf16) or as torch does (bfloat16): command-line flags
+# and JSON configurations (`graphshard plan`) name dtypes this way.
+DTYPE_NAMES = {"bf16": "bfloat16", "bfloat16": "bfloat16", "fp16": "float16", "float16": "float16",
+               "half": "float16", "fp32": "float32", "float32": "float32", "float": "float32"}
+
+
+def dtype_from_name(name: str) -> torch.dtype:
+    key = name.strip().lower().removeprefix("torch.")
+    if key not in DTYPE_NAMES:
+        raise ValueError(f"{name!r} is not a floating torch dtype; accepted: bf16 or bfloat16, "
+                         "fp16 or float16, fp32 or float32")
+    return getattr(torch, DTYPE_NAMES[key])
+
+
 def resolve_mixed_precision(policy: MixedPrecisionPolicy | None, param_dtype, reduce_dtype
                             ) -> MixedPrecisionPolicy:
+    """param_dtype / reduce_dtype: torch dtypes or their names ("bfloat16", "bf16")."""
     if policy is not None and (param_dtype is not None or reduce_dtype is not None):
         raise ValueError("pass either mixed_precision=MixedPrecisionPolicy(...) or "
                          "param_dtype/reduce_dtype, not both")
+    param_dtype, reduce_dtype = (dtype_from_name(d) if isinstance(d, str) else d
+                                 for d in (param_dtype, reduce_dtype))
     return policy or MixedPrecisionPolicy(param_dtype, reduce_dtype)

@@ -186,11 +186,30 @@ def run_pipeline(gm: fx.GraphModule, ctx: PassContext,
 class GraphshardCompiler:
     """A Dynamo backend; `observer` sees every stage's graph (used by `graphshard dump`)."""
 
-    def __init__(self, options: GraphshardOptions, observer: StageObserver | None = None):
+    def __init__(self, options: GraphshardOptions, observer: StageObserver | None = None,
+                 cluster: ClusterSpec | None = None):
         self.options = options
         self.observer = observer
-        self.cluster = (ClusterSpec.from_json(options.cluster) if options.cluster
-                        else ClusterSpec.default())
+        self.cluster = cluster or (ClusterSpec.from_json(options.cluster) if options.cluster
+                                   else ClusterSpec.default())
+        # (param_order, via_all_to_all) of the Dynamo graph being compiled, for the split stages
+        self.split_context: tuple[Mapping[str, int], frozenset[str]] = ({}, frozenset())
+
+    def with_options(self, options: GraphshardOptions) -> "GraphshardCompiler":
+        """The same compiler (cluster, the graph being compiled) with other options."""
+        other = GraphshardCompiler(options, self.observer, self.cluster)
+        other.split_context = self.split_context
+        return other
+
+    def lower_joint(self, joint: fx.GraphModule, joint_inputs, **partition_kwargs):
+        """The forward and backward graphs this backend hands Inductor for a joint graph (what
+        the planner evaluates per option set)."""
+        forward, backward = self._partition(joint, joint_inputs, **partition_kwargs)
+        return self.run_split_stages(forward, backward)
+
+    def run_split_stages(self, forward: fx.GraphModule, backward: fx.GraphModule):
+        return (run_pipeline(forward, self._context("forward", *self.split_context), self.observer),
+                run_pipeline(backward, self._context("backward", *self.split_context), self.observer))
 
     def _context(self, graph_kind: str, param_order: Mapping[str, int] = {},
                  via_all_to_all: frozenset[str] = frozenset()) -> PassContext:
@@ -219,8 +238,7 @@ class GraphshardCompiler:
             tag_reshard_policy(joint, replace(self._context("joint"), keep_gathered=keep))
             forward, backward = compat.inductor_partition(joint, joint_inputs, **kwargs)
             regathered = {n for n, spec in _unshard_specs(backward).items() if spec.gather_size > 1}
-            forward = run_pipeline(forward, self._context("forward", *self._split_context))
-            backward = run_pipeline(backward, self._context("backward", *self._split_context))
+            forward, backward = self.with_options(self.options).run_split_stages(forward, backward)
             return model_state_bytes(joint) + step_memory(forward, backward).transient_bytes, regathered
 
         budget = self.options.memory_budget_mb * 2**20
@@ -264,7 +282,7 @@ class GraphshardCompiler:
         gm = run_pipeline(gm, self._context("dynamo"), self.observer)
         param_order = _param_order(gm)
         via_all_to_all = self.options.via_all_to_all(on_gloo=_uses_gloo(gm))
-        self._split_context = (param_order, via_all_to_all)
+        self.split_context = (param_order, via_all_to_all)
         backend = compat.aot_autograd_backend(
             fw_compiler=self._graph_compiler("forward", param_order, via_all_to_all),
             bw_compiler=self._graph_compiler("backward", param_order, via_all_to_all),

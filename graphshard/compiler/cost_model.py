@@ -41,23 +41,46 @@ _ALLOC_ONLY = frozenset({aten.empty.memory_format, aten.empty_strided.default,
 
 @dataclass(frozen=True)
 class ClusterSpec:
-    """Parameters of one machine class; times in seconds, sizes in bytes."""
+    """Parameters of one machine class; times in seconds, sizes in bytes.
+
+    latency_s and bandwidth_Bps describe a collective among devices of one node; a collective
+    whose group spans nodes pays the inter-node ones (`link`). Optional fields describe what
+    the planner needs beyond one node: None means "as within a node" / unknown.
+    """
 
     latency_s: float  # alpha: fixed cost of one collective call
     bandwidth_Bps: float  # 1/beta: link bandwidth each rank sends at
-    flops_per_s: float  # compute peak
+    flops_per_s: float  # compute peak (fp32)
     memory_bandwidth_Bps: float  # for memory-bound ops
     kernel_overhead_s: float = 2e-6  # fixed cost of every compute node (dispatch, launch)
+    low_precision_flops_per_s: float | None = None  # bf16/fp16 matmul peak (None: flops_per_s)
+    devices_per_node: int | None = None  # None: every device in one node
+    inter_node_latency_s: float | None = None
+    inter_node_bandwidth_Bps: float | None = None  # per device, between nodes
+    device_memory_bytes: float | None = None  # what one device holds (the planner's limit)
 
     def __post_init__(self) -> None:
         for f in dataclasses.fields(self):
             value = getattr(self, f.name)
+            if value is None and f.default is None:
+                continue
             # 0 is a meaningful idealisation for the fixed costs, never for a rate we divide by.
-            may_be_zero = f.name in ("latency_s", "kernel_overhead_s")
+            may_be_zero = f.name in ("latency_s", "kernel_overhead_s", "inter_node_latency_s")
             if (isinstance(value, bool) or not isinstance(value, (int, float))
                     or not math.isfinite(value) or value < 0 or (value == 0 and not may_be_zero)):
                 need = "a finite number >= 0" if may_be_zero else "a finite number > 0"
                 raise ValueError(f"ClusterSpec.{f.name} must be {need}, got {value!r}")
+
+    def link(self, spans_nodes: bool) -> "ClusterSpec":
+        """This spec as a collective sees it: between nodes, the inter-node latency/bandwidth."""
+        if not spans_nodes or self.inter_node_bandwidth_Bps is None:
+            return self
+        latency = self.latency_s if self.inter_node_latency_s is None else self.inter_node_latency_s
+        return dataclasses.replace(self, latency_s=latency, bandwidth_Bps=self.inter_node_bandwidth_Bps)
+
+    def peak_flops(self, dtype: torch.dtype | None) -> float:
+        low = dtype in (torch.bfloat16, torch.float16) and self.low_precision_flops_per_s
+        return self.low_precision_flops_per_s if low else self.flops_per_s
 
     @classmethod
     def default(cls) -> "ClusterSpec":
@@ -241,7 +264,9 @@ def node_cost(node: fx.Node, spec: ClusterSpec, *, symbolic: bool = False) -> No
         seconds = sympy.Max(flops / sympy.Float(spec.flops_per_s),
                             nbytes / sympy.Float(spec.memory_bandwidth_Bps))
         return NodeCost(flops, nbytes, as_number_if_constant(seconds + sympy.Float(spec.kernel_overhead_s)))
-    seconds = max(flops / spec.flops_per_s, nbytes / spec.memory_bandwidth_Bps)
+    val = node.meta.get("val")
+    peak = spec.peak_flops(val.dtype if isinstance(val, torch.Tensor) else None)
+    seconds = max(flops / peak, nbytes / spec.memory_bandwidth_Bps)
     return NodeCost(int(flops), int(nbytes), seconds + spec.kernel_overhead_s)
 
 

@@ -12,7 +12,7 @@ import torch.fx as fx
 
 from graphshard.compiler.cost_model import (ClusterSpec, CollectiveCost, GroupSizes, collective_node_cost,
                                    is_plain_number, node_cost)
-from graphshard.passes.graph_utils import is_collective, is_wait
+from graphshard.passes.graph_utils import collective_group, is_collective, is_wait
 from graphshard.passes.liveness import MemoryEstimate, memory_estimate
 
 
@@ -106,12 +106,14 @@ def _overlap(busy: list[tuple[float, float]], starts: list[float], a: float, b: 
 
 
 def graph_estimate(gm: fx.GraphModule | fx.Graph, spec: ClusterSpec,
-                   world_size: GroupSizes = None) -> GraphEstimate:
+                   world_size: GroupSizes = None,
+                   group_specs: Mapping[str, ClusterSpec] | None = None) -> GraphEstimate:
     """Simulate the graph on two lanes, in node order, deterministically.
 
     Compute nodes run back to back on the compute lane. A collective is issued when compute
     reaches it and starts once the comm lane is free (one collective at a time, as on one
-    gloo/NCCL stream). A wait_tensor blocks compute until its collective ends.
+    gloo/NCCL stream). A wait_tensor blocks compute until its collective ends. `group_specs`:
+    the spec a process group's collectives see (by group name; e.g. `spec.link(spans_nodes)`).
     """
     if not (world_size is None or isinstance(world_size, Mapping) or is_plain_number(world_size)):
         raise ValueError(f"graph_estimate simulates numbers: world_size must be an int, a "
@@ -123,7 +125,8 @@ def graph_estimate(gm: fx.GraphModule | fx.Graph, spec: ClusterSpec,
         if node.op != "call_function":
             continue
         if is_collective(node):
-            cost = collective_node_cost(node, spec, world_size)
+            link = (group_specs or {}).get(collective_group(node)[0], spec)
+            cost = collective_node_cost(node, link, world_size)
             start = max(compute_t, comm_free)
             comm_free = start + cost.seconds
             issued[node] = (cost, compute_t, start)

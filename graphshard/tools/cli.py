@@ -15,7 +15,8 @@ SUBCOMMANDS = {
     "dump": ("graphshard.tools.dump", "show what the compiler does to a model, at any world size"),
     "export": ("graphshard.checkpoint", "write a checkpoint's weights to safetensors (or HF dir)"),
     "calibrate": ("graphshard.tools.calibrate", "measure this machine's cost-model parameters"),
-    "bench": ("bench.__main__", "compare graphshard with DDP, FSDP2 and SimpleFSDP"),
+    "plan": ("graphshard.tools.plan", "pick the fastest configuration that fits a cluster you do not have"),
+    "bench": ("graphshard.bench.__main__", "compare graphshard with DDP, FSDP2 and SimpleFSDP"),
 }
 
 # Warnings that say nothing to a user of a command. Export reads a checkpoint in one process by
@@ -25,24 +26,17 @@ SILENCED_WARNINGS = {
 }
 
 
-# Floating dtypes a command-line flag accepts, spelled short (bf16) or as torch does (bfloat16).
-DTYPE_NAMES = {"bf16": "bfloat16", "bfloat16": "bfloat16", "fp16": "float16", "float16": "float16",
-               "half": "float16", "fp32": "float32", "float32": "float32", "float": "float32"}
-
-
 def parse_dtype(name: str):
     """A dtype flag's value -> torch.dtype ("bf16", "bfloat16" and "torch.bfloat16" alike).
     Raises argparse.ArgumentTypeError (argparse's message for a `type=` function) otherwise."""
     import argparse
 
-    import torch
+    from graphshard.policy import dtype_from_name
 
-    key = name.strip().lower().removeprefix("torch.")
-    if key not in DTYPE_NAMES:
-        raise argparse.ArgumentTypeError(
-            f"{name!r} is not a floating torch dtype; accepted: bf16 or bfloat16, fp16 or "
-            "float16, fp32 or float32")
-    return getattr(torch, DTYPE_NAMES[key])
+    try:
+        return dtype_from_name(name)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
 
 
 def _usage() -> str:

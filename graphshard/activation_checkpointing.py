@@ -1,0 +1,63 @@
+"""Activation checkpointing of a model's repeated blocks, without changing its parameter names.
+
+    graphshard.apply_activation_checkpointing(model, "full")       # recompute each block
+    graphshard.apply_activation_checkpointing(model, "selective")  # keep matmul outputs only
+
+Each block's forward runs under torch.utils.checkpoint (non-reentrant, which torch.compile
+traces as one region); the module tree is left as it is, so state-dict keys, sharding and
+checkpoints see the same names as without it (a wrapper module would add a prefix).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+import torch.nn as nn
+from torch.utils.checkpoint import checkpoint, create_selective_checkpoint_contexts
+
+MODES = ("none", "full", "selective")
+# Selective: save what is expensive to recompute (matmul and attention outputs), recompute the
+# rest (norms, activations, residual adds), as torchtitan's op-level selective AC does.
+SAVED_OPS = (torch.ops.aten.mm.default, torch.ops.aten.addmm.default, torch.ops.aten.bmm.default,
+             torch.ops.aten._scaled_dot_product_flash_attention.default,
+             torch.ops.aten._scaled_dot_product_efficient_attention.default)
+
+
+def selective_context():
+    """context_fn for torch.utils.checkpoint: save SAVED_OPS' outputs, recompute the rest."""
+    return create_selective_checkpoint_contexts(list(SAVED_OPS))
+
+
+def repeated_blocks(model: nn.Module) -> nn.ModuleList:
+    """The model's repeated blocks: the largest ModuleList whose children share one class
+    (`layers` of Llama-style models, `h` of GPT-2, `layer` of BERT, ...)."""
+    best = None
+    for module in model.modules():
+        if isinstance(module, nn.ModuleList) and len(module) and len(
+                {type(child) for child in module}) == 1:
+            if best is None or len(module) > len(best):
+                best = module
+    if best is None:
+        raise ValueError(f"{type(model).__name__} has no nn.ModuleList of repeated blocks to "
+                         "checkpoint")
+    return best
+
+
+def _checkpointed(forward, context_fn, *args, **kwargs):
+    if context_fn is None:  # full: Dynamo traces checkpoint's default context, not a named one
+        return checkpoint(forward, *args, use_reentrant=False, **kwargs)
+    return checkpoint(forward, *args, use_reentrant=False, context_fn=context_fn, **kwargs)
+
+
+def apply_activation_checkpointing(model: nn.Module, mode: str = "full") -> nn.Module:
+    """Checkpoint every repeated block ("full"), or keep only its matmul and attention outputs
+    ("selective"); "none" leaves the model as it is. Returns the same model."""
+    if mode not in MODES:
+        raise ValueError(f"activation checkpointing mode must be one of {MODES}, got {mode!r}")
+    if mode == "none":
+        return model
+    context_fn = selective_context if mode == "selective" else None
+    for block in repeated_blocks(model):
+        block.forward = functools.partial(_checkpointed, block.forward, context_fn)
+    return model
