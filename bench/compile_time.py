@@ -15,7 +15,7 @@ unchanged code). Methods:
 
 Rounds interleave the methods (cold then warm for each), so load on a shared machine affects
 each alike; the table shows the median and the range over rounds, and the FX graph cache's hit
-and miss counts of the warm run (from `torch._dynamo.utils.counters`).
+and miss counts of the warm run (Dynamo's counters).
 """
 
 from __future__ import annotations
@@ -48,7 +48,7 @@ def first_step(rank: int, world: int, cfg: CompileBenchConfig, method: str, cach
     """One rank: build, compile, one step; seconds from compile to the step's end."""
     os.environ["TORCHINDUCTOR_CACHE_DIR"] = cache_dir  # Inductor reads it at each compile
     import graphshard
-    from torch._dynamo.utils import counters
+    from graphshard._torch_compat import compile_counters
 
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
     workload = build_workload(cfg.model, cfg.batch, cfg.seq, 0, dict(cfg.model_args))
@@ -62,6 +62,7 @@ def first_step(rank: int, world: int, cfg: CompileBenchConfig, method: str, cach
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3, fused=True)
     workload.loss_fn(model(*inputs), *inputs).backward()
     optimizer.step()
+    counters = compile_counters()
     return {"seconds": time.perf_counter() - start,
             "hits": counters["inductor"]["fxgraph_cache_hit"],
             "misses": counters["inductor"]["fxgraph_cache_miss"]}

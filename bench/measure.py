@@ -27,10 +27,10 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Iterator
 
-from torch._C._profiler import _EventType
 from torch.profiler import ProfilerActivity, profile, record_function
 
 from graphshard._torch_compat import count_cpu_frees_on_every_thread as count_frees_on_every_thread
+from graphshard._torch_compat import cpu_allocations
 
 STEP_MARK = "bench::measured_step"
 _GLOO_PREFIX = "gloo:"
@@ -81,18 +81,6 @@ def _message_bytes(kind: str, shapes: list, world_size: int) -> int:
     return numel * factor * _FLOAT32_BYTES
 
 
-def _allocations(prof: profile) -> list[tuple[int, int, int]]:
-    """(time ns, bytes (negative: a free), allocator's total live bytes after it), in time order."""
-    found, stack = [], list(prof.profiler.kineto_results.experimental_event_tree())
-    while stack:
-        node = stack.pop()
-        stack.extend(node.children)
-        if node.tag == _EventType.Allocation and node.extra_fields.device.type == "cpu":
-            fields = node.extra_fields
-            found.append((node.start_time_ns, fields.alloc_size, fields.total_allocated))
-    return sorted(found)
-
-
 def analyze(prof: profile, world_size: int) -> StepProfile:
     """Collectives and peak memory of the `measured_step` in a finished `memory_profile`."""
     # kineto_results is the one place the raw event stream is exposed.
@@ -110,7 +98,7 @@ def analyze(prof: profile, world_size: int) -> StepProfile:
             kind = name[len(_GLOO_PREFIX):]
             counts[kind] += 1
             sizes[kind] += _message_bytes(kind, event.shapes(), world_size)
-    allocations = _allocations(prof)
+    allocations = cpu_allocations(prof)
     if not allocations:
         return StepProfile(dict(counts), dict(sizes), 0)
     _, first_bytes, first_total = allocations[0]

@@ -78,14 +78,14 @@ def _graphshard_backend() -> object:
     return graphshard_backend
 
 
-def _graphshard_shard(model: nn.Module, mesh: DeviceMesh) -> nn.Module:
+def _graphshard_shard(model: nn.Module, mesh: DeviceMesh, **shard_kwargs) -> nn.Module:
     try:
         import graphshard
 
         shard = graphshard.shard
     except (ImportError, AttributeError) as exc:
         raise MethodUnavailable(f"graphshard.shard not importable ({exc})") from exc
-    return shard(model, mesh)
+    return shard(model, mesh, **shard_kwargs)
 
 
 def _compiled(setup: SetupFn, **compile_kwargs) -> SetupFn:
@@ -95,9 +95,13 @@ def _compiled(setup: SetupFn, **compile_kwargs) -> SetupFn:
     return setup_and_compile
 
 
-def _graphshard_compiled(options: dict | None) -> SetupFn:
+def _graphshard_compiled(options: dict | None, shard_kwargs: dict | None = None,
+                         activation_checkpointing: str = "none") -> SetupFn:
     def setup(model: nn.Module, mesh: DeviceMesh) -> nn.Module:
-        sharded = _graphshard_shard(model, mesh)
+        import graphshard
+
+        graphshard.apply_activation_checkpointing(model, activation_checkpointing)
+        sharded = _graphshard_shard(model, mesh, **(shard_kwargs or {}))
         return torch.compile(sharded, backend=_graphshard_backend(), options=options)
 
     return setup
@@ -123,15 +127,25 @@ BASELINES = ("fsdp2_eager", "ddp_eager")
 DEFAULT_METHODS = tuple(METHODS)
 
 
+# Keys of a graphshard variant that are not backend options.
+SHARD_KEYS = ("strategy", "param_dtype", "reduce_dtype")
+AC_KEY = "ac"  # graphshard.apply_activation_checkpointing's mode
+
+
 def method(name: str) -> Method:
-    """A registered method, or a graphshard variant spelled `graphshard:KEY=VALUE+KEY=VALUE`
-    (backend options, e.g. `graphshard:reorder=false+bucket_mb=0`)."""
+    """A registered method, or a graphshard variant spelled `graphshard:KEY=VALUE+KEY=VALUE`:
+    backend options (`graphshard:reorder=false+bucket_mb=0`), graphshard.shard's strategy,
+    param_dtype and reduce_dtype, and `ac` (none, full, selective)."""
     if name in METHODS:
         return METHODS[name]
     base, sep, spec = name.partition(":")
     if base == "graphshard" and sep:
         from graphshard.compiler.options import parse_option_strings
 
-        options = parse_option_strings(spec.split("+"))
-        return Method(_graphshard_compiled(options), True, f"graphshard with {options}")
+        pairs = dict(pair.partition("=")[::2] for pair in spec.split("+"))
+        shard_kwargs = {k: pairs.pop(k) for k in SHARD_KEYS if k in pairs}
+        ac = pairs.pop(AC_KEY, "none")
+        options = parse_option_strings([f"{k}={v}" for k, v in pairs.items()])
+        return Method(_graphshard_compiled(options, shard_kwargs, ac), True,
+                      f"graphshard with {shard_kwargs | {'ac': ac} | options}")
     raise KeyError(name)

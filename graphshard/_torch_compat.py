@@ -81,9 +81,10 @@ def fake_mode_of_inputs(example_inputs: Sequence[Any]):
 
 
 def real_tensors():
-    """A context in which new tensors are real, not fake: for a collective a backend runs while
-    AOTAutograd traces under its fake mode (agreeing on a decision across ranks). Public
-    replacement: none."""
+    """A context in which no fake mode is active: for a collective a backend runs while
+    AOTAutograd traces under its fake mode (agreeing on a decision across ranks), and for a pass
+    that enters its graph's own fake mode to compute a new node's value. Public replacement:
+    none."""
     from torch._subclasses.fake_tensor import unset_fake_temporarily
 
     return unset_fake_temporarily()
@@ -100,6 +101,22 @@ def count_cpu_frees_on_every_thread() -> None:
 
     libc10 = ctypes.CDLL(os.path.join(os.path.dirname(torch.__file__), "lib", "libc10.so"))
     ctypes.c_bool.in_dll(libc10, "FLAGS_caffe2_report_cpu_memory_usage").value = True
+
+
+def cpu_allocations(prof) -> list[tuple[int, int, int]]:
+    """(time ns, bytes (negative: a free), the allocator's live total after it) of every CPU
+    allocation event a finished torch.profiler session recorded, in time order. Public
+    replacement: none (the event tree is kineto_results' experimental API)."""
+    from torch._C._profiler import _EventType
+
+    found, stack = [], list(prof.profiler.kineto_results.experimental_event_tree())
+    while stack:
+        node = stack.pop()
+        stack.extend(node.children)
+        if node.tag == _EventType.Allocation and node.extra_fields.device.type == "cpu":
+            fields = node.extra_fields
+            found.append((node.start_time_ns, fields.alloc_size, fields.total_allocated))
+    return sorted(found)
 
 
 def short_traceback_error() -> type:
@@ -163,6 +180,14 @@ def init_fake_process_group(world_size: int, rank: int = 0) -> None:
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
     dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world_size)
+
+
+def fake_mode_of_value(val):
+    """The FakeTensorMode a value belongs to, or None for anything but a fake tensor (how a
+    pass finds the mode its graph was traced in). Public replacement: none."""
+    from torch._subclasses.fake_tensor import FakeTensor
+
+    return val.fake_mode if isinstance(val, FakeTensor) else None
 
 
 def fake_tensor_mode():

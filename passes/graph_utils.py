@@ -12,10 +12,10 @@ from typing import Any, Callable, Iterable, Mapping
 
 import torch
 import torch.fx as fx
-# Private torch API (passes/ import nothing of graphshard, whose _torch_compat.py lists the rest):
-# fake tensors are how a pass computes the shapes of the nodes it emits; no public API exists.
-from torch._subclasses.fake_tensor import FakeTensorMode, unset_fake_temporarily
 from torch.fx.experimental.symbolic_shapes import optimization_hint
+
+# Fake tensors are how a pass computes the shapes of the nodes it emits (private torch API).
+from graphshard._torch_compat import fake_mode_of_value, fake_tensor_mode, real_tensors
 
 aten = torch.ops.aten
 c10d = torch.ops._c10d_functional
@@ -114,11 +114,12 @@ def unsharded_bytes(collective: fx.Node) -> int:
     return node_bytes(collective.args[0])
 
 
-def fake_mode_of(gm: fx.GraphModule) -> FakeTensorMode | None:
+def fake_mode_of(gm: fx.GraphModule):
+    """The fake mode of the graph's values (None if they are not fake tensors)."""
     for node in gm.graph.nodes:
-        val = tensor_val(node)
-        if isinstance(val, torch._subclasses.FakeTensor):
-            return val.fake_mode
+        mode = fake_mode_of_value(tensor_val(node))
+        if mode is not None:
+            return mode
     return None
 
 
@@ -151,7 +152,7 @@ class GraphEmitter:
     """Appends each op as a call_function node, with meta["val"] computed on fake tensors."""
 
     graph: fx.Graph
-    fake_mode: FakeTensorMode | None
+    fake_mode: Any  # the graph's FakeTensorMode, or None (a fresh one)
     meta: dict | None = None  # copied onto every new node (provenance, module stack)
 
     def __call__(self, op: Callable, *args, **kwargs):
@@ -161,8 +162,8 @@ class GraphEmitter:
         fake_args, fake_kwargs = torch.utils._pytree.tree_map_only(
             fx.Node, lambda n: n.meta["val"], (args, kwargs)
         )
-        with unset_fake_temporarily():
-            mode = self.fake_mode or FakeTensorMode(allow_non_fake_inputs=True)
+        with real_tensors():
+            mode = self.fake_mode or fake_tensor_mode()
             with mode:
                 node.meta["val"] = op(*fake_args, **fake_kwargs)
         return node

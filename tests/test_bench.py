@@ -104,3 +104,24 @@ def test_peak_memory_sees_frees_made_on_other_threads():
             c = torch.empty(2 * mib, dtype=torch.uint8)
             del b, c
     assert analyze(prof, world_size=1).peak_bytes == 6 * mib
+
+
+def test_a_graphshard_variant_sets_strategy_dtype_checkpointing_and_options(fake_pg):
+    """`graphshard:KEY=VALUE+...` (what the fidelity bench runs): shard() arguments, activation
+    checkpointing and backend options each reach the model."""
+    from graphshard.bench.methods import method
+    from graphshard.state import shard_state
+
+    variant = method("graphshard:strategy=shard_grad_op+ac=full+param_dtype=bfloat16"
+                     "+reduce_dtype=float32+prefetch=2+bucket_mb=25")
+    workload = build_workload("transformer", 2, 8, 0, {"dim": 32, "n_layers": 2})
+    compiled = variant.setup(workload.model, init_device_mesh("cpu", (8,)))
+    state = shard_state(workload.model)
+    assert state.strategy.value == "shard_grad_op"
+    assert state.mixed_precision.param_dtype == torch.bfloat16
+    assert all(isinstance(block.forward, __import__("functools").partial)
+               for block in transformer_blocks(workload.model))  # checkpointed
+    assert "'prefetch': 2" in variant.description and "'bucket_mb': 25.0" in variant.description
+    assert compiled is not workload.model  # torch.compile's wrapper
+    with pytest.raises(ValueError, match="prefetch"):
+        method("graphshard:prefetch=soon")

@@ -259,6 +259,20 @@ def test_prefetched_collective_is_hidden_waited_one_is_exposed(fake_pg):
     assert graph_estimate(waited, SPEC, world_size=1).total_s == pytest.approx(mm)
 
 
+def test_without_overlap_a_collective_takes_its_time_from_compute(fake_pg):
+    """Where ranks fill every core (gloo on this CPU), a prefetched collective hides nothing."""
+    import dataclasses
+
+    prefetched, _ = _prefetch_graphs(fake_pg)
+    comm = cm.collective_time("all_gather", 8 * 1024 * 4, 8, SPEC)
+    mm = 2 * 128 ** 3 / 1e9
+    serial = graph_estimate(prefetched, dataclasses.replace(SPEC, comm_overlaps_compute=False))
+    assert serial.total_s == pytest.approx(mm + comm)
+    assert serial.exposed_comm_s == pytest.approx(comm)
+    with pytest.raises(ValueError, match="comm_overlaps_compute must be a bool"):
+        dataclasses.replace(SPEC, comm_overlaps_compute=1)
+
+
 def test_collectives_queue_on_one_comm_lane(fake_pg):
     def f(a, b):
         fa = c10d.all_gather_into_tensor(a, 8, fake_pg)
@@ -370,8 +384,11 @@ def test_calibrate_two_gloo_processes(tmp_path):
     spec = calibration.calibrate(world_size=2, sizes=(1 << 10, 1 << 23), repeats=5, samples=samples)
     assert [b for b, _ in samples] == [1 << 10, 1 << 23]
     for name in ("latency_s", "bandwidth_Bps", "flops_per_s", "memory_bandwidth_Bps",
-                 "kernel_overhead_s"):
+                 "kernel_overhead_s", "low_precision_flops_per_s", "step_overhead_s",
+                 "device_memory_bytes"):
         assert getattr(spec, name) > 0, name
+    # two ranks on two cores: compute fills them, gloo's threads cannot run beside it
+    assert spec.comm_overlaps_compute == ((__import__("os").cpu_count() or 1) > 2)
     spec.to_json(tmp_path / "spec.json")
     assert ClusterSpec.from_json(tmp_path / "spec.json") == spec
 

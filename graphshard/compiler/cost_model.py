@@ -58,14 +58,24 @@ class ClusterSpec:
     inter_node_latency_s: float | None = None
     inter_node_bandwidth_Bps: float | None = None  # per device, between nodes
     device_memory_bytes: float | None = None  # what one device holds (the planner's limit)
+    # Host time of one forward+backward beyond its kernels (Dynamo guards, autograd, hooks,
+    # runtime wrappers): hidden behind a GPU's queue, paid in full where the host computes.
+    step_overhead_s: float = 0.0
+    # Whether a collective runs beside compute. False where the ranks' compute already fills
+    # every core, so the collective library's threads take turns with it (gloo on this CPU).
+    comm_overlaps_compute: bool = True
 
     def __post_init__(self) -> None:
+        if not isinstance(self.comm_overlaps_compute, bool):
+            raise ValueError(f"ClusterSpec.comm_overlaps_compute must be a bool, got "
+                             f"{self.comm_overlaps_compute!r}")
         for f in dataclasses.fields(self):
             value = getattr(self, f.name)
-            if value is None and f.default is None:
+            if f.name == "comm_overlaps_compute" or (value is None and f.default is None):
                 continue
             # 0 is a meaningful idealisation for the fixed costs, never for a rate we divide by.
-            may_be_zero = f.name in ("latency_s", "kernel_overhead_s", "inter_node_latency_s")
+            may_be_zero = f.name in ("latency_s", "kernel_overhead_s", "inter_node_latency_s",
+                                     "step_overhead_s")
             if (isinstance(value, bool) or not isinstance(value, (int, float))
                     or not math.isfinite(value) or value < 0 or (value == 0 and not may_be_zero)):
                 need = "a finite number >= 0" if may_be_zero else "a finite number > 0"

@@ -112,7 +112,8 @@ def graph_estimate(gm: fx.GraphModule | fx.Graph, spec: ClusterSpec,
 
     Compute nodes run back to back on the compute lane. A collective is issued when compute
     reaches it and starts once the comm lane is free (one collective at a time, as on one
-    gloo/NCCL stream). A wait_tensor blocks compute until its collective ends. `group_specs`:
+    gloo/NCCL stream). A wait_tensor blocks compute until its collective ends; where
+    `spec.comm_overlaps_compute` is False, so does the collective itself. `group_specs`:
     the spec a process group's collectives see (by group name; e.g. `spec.link(spans_nodes)`).
     """
     if not (world_size is None or isinstance(world_size, Mapping) or is_plain_number(world_size)):
@@ -129,6 +130,8 @@ def graph_estimate(gm: fx.GraphModule | fx.Graph, spec: ClusterSpec,
             cost = collective_node_cost(node, link, world_size)
             start = max(compute_t, comm_free)
             comm_free = start + cost.seconds
+            if not spec.comm_overlaps_compute:
+                compute_t = comm_free  # the collective holds the cores compute would use
             issued[node] = (cost, compute_t, start)
             events.append(Event(node.name, "comm", start, cost.seconds, cost.kind))
         elif is_wait(node):

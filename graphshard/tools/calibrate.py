@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import os
 import statistics
 import sys
 import time
@@ -53,6 +54,30 @@ def _time_all_gathers(rank: int, world_size: int, sizes: Sequence[int],
     return [(full.numel() * 4, statistics.median(t)) for (_, full), t in zip(buffers, times)]
 
 
+def _time_tiny_training_step(rank: int, world_size: int, repeats: int) -> float:
+    """Median time of one compiled graphshard training step of a model too small to compute
+    anything (2 blocks of width 32): what a step costs the host beyond its kernels."""
+    import graphshard
+    from graphshard.tools.models import build_model
+
+    model, inputs, loss_fn = build_model("transformer", dim=32, n_layers=2, n_heads=2,
+                                         vocab_size=64, batch=1, seq_len=8)
+    compiled = torch.compile(graphshard.shard(model), backend="graphshard")
+    optimizer = torch.optim.AdamW(model.parameters(), fused=True)
+
+    def step():
+        loss_fn(compiled(*inputs), *inputs).backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+
+    return _median_time(step, repeats, warmup=3)
+
+
+def measure_step_overhead(world_size: int = 2, repeats: int = 10) -> float:
+    per_rank = run_local(_time_tiny_training_step, world_size, repeats, timeout_s=300, threads=1)
+    return float(max(per_rank))
+
+
 def measure_all_gather(world_size: int = 2, sizes: Iterable[int] = (),
                        repeats: int = 10) -> list[tuple[int, float]]:
     """[(gathered bytes, median seconds)] of gloo all-gathers on `world_size` local processes."""
@@ -65,13 +90,16 @@ def measure_all_gather(world_size: int = 2, sizes: Iterable[int] = (),
 
 
 def measure_compute(repeats: int = 10) -> dict[str, float]:
-    """flops_per_s (1024^2 fp32 matmul), memory_bandwidth_Bps (64 MiB copy), kernel_overhead_s."""
+    """flops_per_s (1024^2 fp32 matmul), low_precision_flops_per_s (the same in bf16),
+    memory_bandwidth_Bps (64 MiB copy), kernel_overhead_s."""
     a, b = torch.randn(1024, 1024), torch.randn(1024, 1024)
+    a16, b16 = a.bfloat16(), b.bfloat16()
     src = torch.empty(16 << 20)
     dst = torch.empty_like(src)
     tiny = torch.ones(4)
     return {
         "flops_per_s": 2 * 1024 ** 3 / _median_time(lambda: a @ b, repeats),
+        "low_precision_flops_per_s": 2 * 1024 ** 3 / _median_time(lambda: a16 @ b16, repeats),
         "memory_bandwidth_Bps": 2 * src.numel() * 4 / _median_time(lambda: dst.copy_(src),
                                                                     repeats),
         "kernel_overhead_s": _median_time(lambda: torch.add(tiny, tiny), 20 * repeats),
@@ -85,7 +113,20 @@ def calibrate(world_size: int = 2, sizes: Iterable[int] = (), repeats: int = 10,
     if samples is not None:
         samples.extend(measured)
     alpha, bandwidth = fit_alpha_beta(measured, world_size)
-    return ClusterSpec(latency_s=alpha, bandwidth_Bps=bandwidth, **measure_compute(repeats))
+    # The planner's memory limit: this machine's RAM, which every local rank shares.
+    memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / world_size
+    # Compute as one rank sees it: the bench and `graphshard train` give each local rank its
+    # share of the cores.
+    threads = torch.get_num_threads()
+    torch.set_num_threads(max(1, (os.cpu_count() or 1) // world_size))
+    try:
+        compute = measure_compute(repeats)
+    finally:
+        torch.set_num_threads(threads)
+    # Ranks fill the cores with compute, so gloo's threads take turns with it: no overlap.
+    return ClusterSpec(latency_s=alpha, bandwidth_Bps=bandwidth, device_memory_bytes=memory,
+                       step_overhead_s=measure_step_overhead(world_size, repeats),
+                       comm_overlaps_compute=(os.cpu_count() or 1) > world_size, **compute)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -104,7 +145,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                     for b, t in samples],
                    headers=["all_gather bytes", "measured ms", "model ms"], floatfmt=".3f"))
     print()
-    print(tabulate([(k, f"{v:.4g}") for k, v in dataclasses.asdict(spec).items()],
+    print(tabulate([(k, "-" if v is None else v if isinstance(v, bool) else f"{v:.4g}")
+                    for k, v in dataclasses.asdict(spec).items()],
                    headers=["parameter", "value"]))
     if args.out:
         spec.to_json(args.out)

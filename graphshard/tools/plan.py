@@ -38,6 +38,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import dataclasses
+import functools
 import inspect
 import itertools
 import json
@@ -127,8 +128,8 @@ class Config:
 
     @property
     def strategy_name(self) -> str:
-        if self.knobs.keep == "all":
-            return "shard_grad_op" if self.layout.strategy == "full_shard" else "hybrid_shard_grad_op"
+        if self.knobs.keep == "all" and self.layout.strategy == "full_shard":
+            return "shard_grad_op"
         return self.layout.strategy
 
     def mesh_shape(self, devices: int) -> list[int]:
@@ -375,7 +376,7 @@ def _finish(layout: Layout, knobs: Knobs, probe: Probe, *, accumulation: int, cl
             tokens: int) -> Config:
     optimizer_s = (probe.trainable_shard_elements * ADAMW_BYTES_PER_ELEMENT / cluster.memory_bandwidth_Bps
                    + cluster.kernel_overhead_s)
-    step = accumulation * probe.step_s + optimizer_s
+    step = accumulation * (probe.step_s + cluster.step_overhead_s) + optimizer_s
     peak = probe.state_bytes + probe.transient_bytes
     import torch
 
@@ -412,6 +413,29 @@ def _auto(layout: Layout, at: Callable[[Knobs], Probe], depth: int, knobs: Knobs
     return config
 
 
+def _at_depth(captured: list[dict[Knobs, Probe]], probe_sizes: tuple, depth: int | None,
+              knob: Knobs) -> Probe:
+    """A knob set's probe at the model's depth: as captured, or extrapolated from the probes."""
+    if len(captured) == 1:
+        return captured[0][knob]
+    low, high = probe_sizes
+    return captured[0][knob].combine(captured[1][knob], (depth - low) / (high - low))
+
+
+def predict(target: str, devices: int, cluster, global_batch: int, seq: int, layout: Layout,
+            knobs: Knobs, model_args: dict | None = None) -> Config:
+    """One configuration's prediction, as `plan` makes it (the fidelity bench compares it with
+    a measurement)."""
+    model_args = dict(model_args or {})
+    depth, probe_sizes = depth_probes(target, model_args)
+    knob = dataclasses.replace(knobs, keep="last") if knobs.keep == "auto" else knobs
+    captured = [capture_probes(target, layout, devices, seq, n, (knob,), cluster, model_args)
+                for n in probe_sizes]
+    return _finish(layout, knobs, _at_depth(captured, probe_sizes, depth, knob),
+                   accumulation=global_batch // devices // layout.micro_batch, cluster=cluster,
+                   devices=devices, tokens=global_batch * seq)
+
+
 def plan(target: str, devices: int, cluster, global_batch: int, seq: int, *,
          model_args: dict | None = None, ac_modes: Sequence[str] = ("none", "full", "selective"),
          dtypes: Sequence[str] = ("bfloat16", "float32"), knobs: Sequence[Knobs] = KNOBS,
@@ -446,11 +470,7 @@ def plan(target: str, devices: int, cluster, global_batch: int, seq: int, *,
             progress(f"[{time.perf_counter() - started:5.1f} s] layout {index + 1}/{len(candidates)}"
                      f" done: {layout}")
 
-            def at(knob: Knobs) -> Probe:
-                if len(captured) == 1:
-                    return captured[0][knob]
-                low, high = probe_sizes
-                return captured[0][knob].combine(captured[1][knob], (depth - low) / (high - low))
+            at = functools.partial(_at_depth, captured, probe_sizes, depth)
 
             def finish(layout_, knob, probe):
                 return _finish(layout_, knob, probe, accumulation=local_batch // layout_.micro_batch,

@@ -1,0 +1,181 @@
+"""`python -m graphshard.bench.plan_fidelity`: can `graphshard plan`'s predictions be trusted here?
+
+    graphshard calibrate --out local.json
+    python -m graphshard.bench.plan_fidelity --cluster local.json --json fidelity.json
+
+For each configuration below (two built-in models, world sizes 2 and 3, strategies, activation
+checkpointing, dtypes, reshard and prefetch options) the planner's prediction (`plan.predict`:
+the same capture, passes and cost model as `graphshard plan`) is set beside the bench's
+measurement (the configuration as a graphshard bench method, timed interleaved with the others
+of its model and world size, median step; peak memory counted by the allocator on every thread).
+Reports per configuration the predicted and measured step time and peak memory and their
+errors, then Spearman's rank correlation of the step times and the median absolute error.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+from dataclasses import dataclass, field
+
+from graphshard.tools.plan import Knobs, Layout
+
+SEQ = 64
+
+
+@dataclass(frozen=True)
+class Case:
+    model: str
+    world: int
+    batch: int  # global
+    strategy: str = "full_shard"
+    ac: str = "none"
+    param_dtype: str = "float32"
+    keep: str = "last"  # "all": shard_grad_op
+    prefetch: int = 1
+    bucket_mb: float = 64.0
+    model_args: dict = field(default_factory=dict, hash=False)
+
+    @property
+    def method(self) -> str:
+        """The bench method that runs this configuration."""
+        parts = [f"strategy={'shard_grad_op' if self.keep == 'all' else self.strategy}",
+                 f"ac={self.ac}", f"prefetch={self.prefetch}", f"bucket_mb={self.bucket_mb:g}"]
+        if self.param_dtype != "float32":
+            parts += [f"param_dtype={self.param_dtype}", "reduce_dtype=float32"]
+        return "graphshard:" + "+".join(parts)
+
+    @property
+    def label(self) -> str:
+        return (f"{self.model} ws{self.world} {'shard_grad_op' if self.keep == 'all' else self.strategy}"
+                f" ac={self.ac} {'bf16' if self.param_dtype != 'float32' else 'fp32'} "
+                f"prefetch={self.prefetch} bucket={self.bucket_mb:g}")
+
+
+CASES = [
+    Case("transformer", 2, 8),
+    Case("transformer", 2, 8, keep="all"),
+    Case("transformer", 2, 8, ac="full"),
+    Case("transformer", 2, 8, prefetch=2, bucket_mb=1.0),
+    Case("llama", 2, 8),
+    Case("llama", 2, 8, keep="all"),
+    Case("llama", 2, 8, ac="selective"),
+    Case("llama", 2, 8, param_dtype="bfloat16"),
+    Case("transformer", 3, 6),
+    Case("llama", 3, 6, ac="full"),
+]
+
+
+def spearman(xs: list[float], ys: list[float]) -> float:
+    def ranks(values):
+        order = sorted(range(len(values)), key=values.__getitem__)
+        result = [0.0] * len(values)
+        for rank, index in enumerate(order):
+            result[index] = float(rank)
+        return result
+
+    rx, ry = ranks(xs), ranks(ys)
+    mx, my = statistics.fmean(rx), statistics.fmean(ry)
+    cov = sum((a - mx) * (b - my) for a, b in zip(rx, ry))
+    return cov / (sum((a - mx) ** 2 for a in rx) * sum((b - my) ** 2 for b in ry)) ** 0.5
+
+
+def measure(cases: list[Case], steps: int, repeats: int, warmup: int) -> dict[Case, dict]:
+    from graphshard.bench.harness import BenchConfig, run
+    from graphshard.bench.report import summarize
+
+    measured = {}
+    groups: dict[tuple, list[Case]] = {}
+    for case in cases:
+        groups.setdefault((case.model, case.world, case.batch), []).append(case)
+    for (model, world, batch), group in groups.items():
+        cfg = BenchConfig(model=model, nproc=world, methods=tuple(c.method for c in group),
+                          batch=batch, seq=SEQ, steps=steps, repeats=repeats, warmup=warmup)
+        summary = summarize(cfg, *run(cfg))
+        for case in group:
+            entry = summary["methods"][case.method]
+            if entry.get("status") != "ok":
+                raise RuntimeError(f"{case.label}: {entry.get('status')}")
+            measured[case] = {"step_s": entry["step_ms"]["median"] / 1e3,
+                              "peak_bytes": entry["peak_mib"] * 2**20}
+    return measured
+
+
+def per_rank_share(cluster, world: int):
+    """The cluster file describes one rank with its share of the cores (calibrate's world size,
+    a core each here); with more ranks than cores, each computes on cores/world of one."""
+    import dataclasses
+    import os
+
+    cores = os.cpu_count() or 1
+    if world <= cores:
+        return cluster
+    share = cores / world
+    low = cluster.low_precision_flops_per_s
+    return dataclasses.replace(
+        cluster, flops_per_s=cluster.flops_per_s * share,
+        low_precision_flops_per_s=None if low is None else low * share,
+        memory_bandwidth_Bps=cluster.memory_bandwidth_Bps * share,
+        step_overhead_s=cluster.step_overhead_s / share)
+
+
+def predict_all(cases: list[Case], cluster) -> dict[Case, dict]:
+    from graphshard.tools.plan import predict
+
+    predicted = {}
+    for case in cases:
+        cluster_here = per_rank_share(cluster, case.world)
+        layout = Layout(case.strategy, case.world, case.ac, case.param_dtype, case.batch // case.world)
+        config = predict(case.model, case.world, cluster_here, case.batch, SEQ, layout,
+                         Knobs(case.keep, case.prefetch, case.bucket_mb), case.model_args)
+        predicted[case] = {"step_s": config.step_s, "peak_bytes": config.peak_memory_bytes}
+    return predicted
+
+
+def main(argv: list[str] | None = None) -> int:
+    from graphshard.compiler.clusters import resolve_cluster
+
+    p = argparse.ArgumentParser(prog="python -m graphshard.bench.plan_fidelity", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--cluster", required=True,
+                   help="this machine's JSON from `graphshard calibrate --out FILE` (or 'local')")
+    p.add_argument("--steps", type=int, default=5)
+    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--warmup", type=int, default=2)
+    p.add_argument("--json", help="write the table here")
+    args = p.parse_args(argv)
+    cluster = resolve_cluster(args.cluster)
+    predicted = predict_all(CASES, cluster)
+    measured = measure(CASES, args.steps, args.repeats, args.warmup)
+    rows = []
+    for case in CASES:
+        pred, meas = predicted[case], measured[case]
+        rows.append({"config": case.label, "method": case.method,
+                     "predicted_ms": pred["step_s"] * 1e3, "measured_ms": meas["step_s"] * 1e3,
+                     "time_error": pred["step_s"] / meas["step_s"] - 1,
+                     "predicted_mib": pred["peak_bytes"] / 2**20,
+                     "measured_mib": meas["peak_bytes"] / 2**20,
+                     "memory_error": pred["peak_bytes"] / meas["peak_bytes"] - 1})
+    rho = spearman([r["predicted_ms"] for r in rows], [r["measured_ms"] for r in rows])
+    median_time = statistics.median(abs(r["time_error"]) for r in rows)
+    median_memory = statistics.median(abs(r["memory_error"]) for r in rows)
+    print(f"{'configuration':<62} {'pred ms':>8} {'meas ms':>8} {'err':>6} "
+          f"{'pred MiB':>9} {'meas MiB':>9} {'err':>6}")
+    for r in rows:
+        print(f"{r['config']:<62} {r['predicted_ms']:8.1f} {r['measured_ms']:8.1f} "
+              f"{100 * r['time_error']:+5.0f}% {r['predicted_mib']:9.1f} {r['measured_mib']:9.1f} "
+              f"{100 * r['memory_error']:+5.0f}%")
+    print(f"step time: Spearman rank correlation {rho:.2f}, median |error| {100 * median_time:.0f}%; "
+          f"peak memory: median |error| {100 * median_memory:.0f}%, "
+          f"max {100 * max(abs(r['memory_error']) for r in rows):.0f}%")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"cluster": args.cluster, "rows": rows, "spearman": rho,
+                       "median_abs_time_error": median_time,
+                       "median_abs_memory_error": median_memory}, f, indent=2)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
