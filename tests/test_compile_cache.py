@@ -35,9 +35,10 @@ def _compile_and_step(rank: int, world: int, cache_dir: str) -> dict[str, int]:
 
 def test_second_run_hits_the_fx_graph_cache(tmp_path):
     cache = str(tmp_path / "inductor")
-    first = run_local(_compile_and_step, 2, cache)
-    second = run_local(_compile_and_step, 2, cache)
-    for rank in range(2):
+    # One rank is enough: the cache key is per graph, and every rank compiles the same graphs.
+    first = run_local(_compile_and_step, 1, cache)
+    second = run_local(_compile_and_step, 1, cache)
+    for rank in range(1):
         assert first[rank]["fxgraph_cache_miss"] >= 2, first  # forward and backward compiled
         assert second[rank] == {"fxgraph_cache_hit": first[rank]["fxgraph_cache_miss"],
                                 "fxgraph_cache_miss": 0}, (first, second)

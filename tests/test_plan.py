@@ -24,7 +24,7 @@ SMALL = ["transformer", "--model-args", "dim=64,vocab_size=256", "--seq", "32"]
 def planned(tmp_path_factory):
     """One search on 16 H100s (two nodes): full_shard, hybrid over one node; AC none and full."""
     tmp = tmp_path_factory.mktemp("plan")
-    argv = [*SMALL, "--devices", "16", "--cluster", "h100", "--global-batch", "32",
+    argv = [*SMALL, "--devices", "16", "--cluster", "h100", "--global-batch", "16",
             "--ac", "none,full", "--dtypes", "bf16", "--quiet",
             "--json", str(tmp / "all.json"), "--out", str(tmp / "best.json"),
             "--trace", str(tmp / "trace.json")]
@@ -34,22 +34,30 @@ def planned(tmp_path_factory):
 
 def test_every_configuration_is_reported_best_first(planned):
     configs = planned["all"]["configs"]
-    # 2 strategies x 2 AC x 2 micro-batch sizes, 6 option sets each (+ "auto" where distinct)
-    assert len(configs) >= 48
+    # 2 strategies x 2 AC, 6 option sets each (+ "auto" where distinct)
+    assert len(configs) >= 24
     for c in configs:
         for key in ("step_s", "tokens_per_s", "peak_memory_bytes", "fits", "shard", "options"):
             assert key in c, key
-        assert c["tokens_per_s"] == pytest.approx(32 * 32 / c["step_s"])
+        assert c["tokens_per_s"] == pytest.approx(16 * 32 / c["step_s"])
     fitting = [c["step_s"] for c in configs if c["fits"]]
     assert fitting == sorted(fitting) and configs[0]["fits"]
     assert planned["best"] == configs[0]
     strategies = {(c["shard"]["strategy"], tuple(c["shard"]["mesh_shape"])) for c in configs}
     assert {("full_shard", (16,)), ("shard_grad_op", (16,)), ("hybrid_shard", (2, 8))} <= strategies
     assert {c["activation_checkpointing"] for c in configs} == {"none", "full"}
-    assert {(c["micro_batch"], c["accumulation_steps"]) for c in configs} == {(2, 1), (1, 2)}
+    assert {(c["micro_batch"], c["accumulation_steps"]) for c in configs} == {(1, 1)}
     assert {c["options"]["prefetch"] for c in configs} == {1, 2}
     assert {c["options"]["bucket_mb"] for c in configs} == {25.0, 64.0}
     assert planned["trace"]["traceEvents"], "the trace of the best configuration is empty"
+
+
+def test_micro_batches_accumulate_to_the_global_batch():
+    assert planner.micro_batches(4) == [4, 2, 1] and planner.micro_batches(3) == [3, 1]
+    layouts = planner.layouts(16, 8, 4, ("none", "full"), ("bfloat16",))
+    assert {(layout.strategy, layout.shard_size) for layout in layouts} == {("full_shard", 16), ("hybrid_shard", 8)}
+    assert len(layouts) == 2 * 2 * 3  # strategies x AC x micro-batch sizes
+    assert planner.shard_group_sizes(64, 8) == [8, 16, 32]
 
 
 def test_the_best_configuration_is_accepted_as_it_is(planned):

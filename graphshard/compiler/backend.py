@@ -196,8 +196,9 @@ class GraphshardCompiler:
         self.split_context: tuple[Mapping[str, int], frozenset[str]] = ({}, frozenset())
 
     def with_options(self, options: GraphshardOptions) -> "GraphshardCompiler":
-        """The same compiler (cluster, the graph being compiled) with other options."""
-        other = GraphshardCompiler(options, self.observer, self.cluster)
+        """The same compiler (cluster, the graph being compiled) with other options and no
+        observer: what it lowers is a probe (the planner's, "auto"'s), not the compiled step."""
+        other = GraphshardCompiler(options, None, self.cluster)
         other.split_context = self.split_context
         return other
 
