@@ -101,7 +101,8 @@ def test_bad_reshard_options_are_clear_errors(options, message):
 
 def test_reshard_options_match_a_single_process_under_inductor():
     """World size 2, Inductor, gloo: keeping all, some (pattern, with activation checkpointing)
-    or the budget's choice of units gathered, with gradient accumulation, changes no number."""
+    or the budget's choice of units gathered (with gradient accumulation and the native
+    transports), changes no number."""
     base = Training(model=functools.partial(TinyGPT, "none", n_blocks=3),
                     data=functools.partial(gpt_data, batch=8), loss=zoo_loss,
                     optimizer=functools.partial(torch.optim.SGD, lr=0.05), steps=2)
@@ -109,7 +110,9 @@ def test_reshard_options_match_a_single_process_under_inductor():
         dataclasses.replace(base, compile={"reshard_after_forward": False}),
         dataclasses.replace(base, model=functools.partial(TinyGPT, "full", n_blocks=3),
                             compile={"reshard_after_forward": {"blocks.*": False, "blocks.1": True}}),
-        dataclasses.replace(base, compile={"reshard_after_forward": "auto", "memory_budget_mb": 64},
+        # the native transports (what NCCL users run); the runs above take gloo's all-to-all
+        dataclasses.replace(base, compile={"reshard_after_forward": "auto", "memory_budget_mb": 64,
+                                           "all_gather": "native", "reduce_scatter": "native"},
                             micro_batches=2),
     ]
     results = run_local(train, 2, runs)

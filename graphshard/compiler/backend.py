@@ -91,10 +91,21 @@ def model_state_bytes(joint: fx.GraphModule) -> int:
     inputs = sum(tensor_bytes(n.meta["val"]) for n in nodes  # primals: not the tangents
                  if n.op == "placeholder" and n.name.startswith("primals")
                  and isinstance(n.meta.get("val"), torch.Tensor))
-    reduced = {ReduceSpec.from_node(n).name for n in nodes if is_reduce_grad(n)}
-    trainable = {UnshardSpec.from_node(n).name: n.args[0] for n in nodes
-                 if is_unshard(n) and UnshardSpec.from_node(n).name in reduced}
-    return inputs + 3 * sum(tensor_bytes(shard.meta["val"]) for shard in trainable.values())
+    shards = (read.args[0] for read in trainable_reads(joint).values())
+    return inputs + 3 * sum(tensor_bytes(shard.meta["val"]) for shard in shards)
+
+
+def trainable_reads(joint: fx.GraphModule) -> dict[str, fx.Node]:
+    """Parameter name -> its unshard node in a joint graph, for the parameters whose gradient
+    is reduced (the trainable ones); the node's first argument is this rank's shard."""
+    reduced = {ReduceSpec.from_node(n).name for n in joint.graph.nodes if is_reduce_grad(n)}
+    reads = {}
+    for node in joint.graph.nodes:
+        if is_unshard(node):
+            name = UnshardSpec.from_node(node).name
+            if name in reduced:
+                reads.setdefault(name, node)
+    return reads
 
 
 def _unshard_specs(gm: fx.GraphModule) -> dict[str, UnshardSpec]:
@@ -205,7 +216,7 @@ class GraphshardCompiler:
     def lower_joint(self, joint: fx.GraphModule, joint_inputs, **partition_kwargs):
         """The forward and backward graphs this backend hands Inductor for a joint graph (what
         the planner evaluates per option set)."""
-        forward, backward = self._partition(joint, joint_inputs, **partition_kwargs)
+        forward, backward = self.partition(joint, joint_inputs, **partition_kwargs)
         return self.run_split_stages(forward, backward)
 
     def run_split_stages(self, forward: fx.GraphModule, backward: fx.GraphModule):
@@ -216,7 +227,9 @@ class GraphshardCompiler:
                  via_all_to_all: frozenset[str] = frozenset()) -> PassContext:
         return PassContext(graph_kind, self.options, param_order, self.cluster, via_all_to_all)
 
-    def _partition(self, joint: fx.GraphModule, joint_inputs, **kwargs):
+    def partition(self, joint: fx.GraphModule, joint_inputs, **kwargs):
+        """AOTAutograd's partition_fn: the joint stages (tag what stays gathered), then Inductor's
+        min-cut partition into forward and backward."""
         ctx = self._context("joint")
         if self.options.reshard_after_forward == "auto":
             ctx = replace(ctx, keep_gathered=self._choose_kept_units(joint, joint_inputs, kwargs))
@@ -288,7 +301,7 @@ class GraphshardCompiler:
             fw_compiler=self._graph_compiler("forward", param_order, via_all_to_all),
             bw_compiler=self._graph_compiler("backward", param_order, via_all_to_all),
             inference_compiler=self._graph_compiler("inference", param_order, via_all_to_all),
-            partition_fn=self._partition,
+            partition_fn=self.partition,
             decompositions=compat.inductor_decompositions(),
             keep_inference_input_mutations=True,
         )

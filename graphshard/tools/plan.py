@@ -195,10 +195,6 @@ def layouts(devices: int, devices_per_node: int | None, local_batch: int,
 # --------------------------------------------------------------------------- capture + estimate
 
 
-class _Captured(Exception):
-    """Raised once the joint graph has been evaluated: nothing needs to run."""
-
-
 def _group_links(joint, cluster, devices: int) -> dict:
     """Each process group's link: a shard group of s contiguous ranks stays in a node when
     s <= devices per node; a replica group (stride s) spans every node of the cluster."""
@@ -222,28 +218,24 @@ def _probes(compiler, joint, joint_inputs, kwargs, knobs: Sequence[Knobs], clust
     the split stages and the estimate on a copy of its graphs per prefetch/bucket setting."""
     import copy
 
-    from graphshard.compiler.backend import model_state_bytes
+    from graphshard.compiler.backend import model_state_bytes, trainable_reads
     from graphshard.compiler.options import GraphshardOptions
     from graphshard.compiler.simulator import graph_estimate
-    from graphshard.passes.graph_utils import is_reduce_grad, is_unshard
     from graphshard.passes.liveness import step_memory
-    from graphshard.passes.markers import ReduceSpec, UnshardSpec
 
     def options(knob: Knobs) -> GraphshardOptions:
         return GraphshardOptions(prefetch=knob.prefetch, bucket_mb=knob.bucket_mb,
                                  reshard_after_forward=False if knob.keep == "all" else None,
                                  compiler="eager")
 
-    reduced = {ReduceSpec.from_node(n).name for n in joint.graph.nodes if is_reduce_grad(n)}
-    trainable = {UnshardSpec.from_node(n).name: (n.meta["val"].numel(), n.args[0].meta["val"].numel())
-                 for n in joint.graph.nodes
-                 if is_unshard(n) and UnshardSpec.from_node(n).name in reduced}
+    trainable = [(read.meta["val"].numel(), read.args[0].meta["val"].numel())
+                 for read in trainable_reads(joint).values()]  # (full, this rank's shard)
     state = model_state_bytes(joint)
     links = _group_links(joint, cluster, devices)
     partitions = {}
     for keep in dict.fromkeys(k.keep for k in knobs):
         variant = compiler.with_options(options(next(k for k in knobs if k.keep == keep)))
-        partitions[keep] = variant._partition(joint, joint_inputs, **kwargs)
+        partitions[keep] = variant.partition(joint, joint_inputs, **kwargs)
     probes = {}
     for knob in knobs:
         graphs = copy.deepcopy(partitions[knob.keep])
@@ -259,8 +251,8 @@ def _probes(compiler, joint, joint_inputs, kwargs, knobs: Sequence[Knobs], clust
             backward_saved_bytes=memory.backward_saved_bytes,
             backward_transient_bytes=memory.backward_transient_bytes,
             state_bytes=state,
-            trainable_params=sum(full for full, _ in trainable.values()),
-            trainable_shard_elements=sum(local for _, local in trainable.values()),
+            trainable_params=sum(full for full, _ in trainable),
+            trainable_shard_elements=sum(local for _, local in trainable),
             estimates=estimates)
     return probes
 
@@ -277,15 +269,12 @@ def capture_probes(target: str, layout: Layout, devices: int, seq: int, n_layers
     """Capture `target` in `layout` (with `n_layers` blocks, or as built) and evaluate every
     knob set on its joint graph."""
     import torch
-    import torch.distributed as dist
-    from torch.distributed.device_mesh import init_device_mesh
 
     import graphshard
-    from graphshard._torch_compat import fake_tensor_mode, init_fake_process_group
     from graphshard.compiler.backend import GraphshardCompiler
     from graphshard.compiler.options import GraphshardOptions
-    from graphshard.tools.dump.capture import _caused_by
-    from graphshard.tools.dump.loading import load_workload, to_fake_tensors
+    from graphshard.tools.dump.capture import CaptureComplete, caused_by
+    from graphshard.tools.dump.loading import load_workload, sharded_on_fake_cluster
 
     args = dict(model_args) | ({"n_layers": n_layers} if n_layers is not None else {})
     workload = load_workload(target, batch=layout.micro_batch, seq_len=seq, model_args=args)
@@ -293,31 +282,23 @@ def capture_probes(target: str, layout: Layout, devices: int, seq: int, n_layers
     probes: dict[Knobs, Probe] = {}
 
     class Recorder(GraphshardCompiler):
-        def _partition(self, joint, joint_inputs, **kwargs):
+        def partition(self, joint, joint_inputs, **kwargs):
             probes.update(_probes(self, joint, joint_inputs, kwargs, knobs, cluster, devices))
-            raise _Captured()
+            raise CaptureComplete()  # nothing needs to run
 
-    init_fake_process_group(devices)
-    try:
-        to_fake_tensors(workload, fake_tensor_mode())
-        mesh = (init_device_mesh("cpu", (devices // layout.shard_size, layout.shard_size),
-                                 mesh_dim_names=("replicate", "shard"))
-                if layout.strategy == "hybrid_shard" else init_device_mesh("cpu", (devices,)))
-        low = layout.param_dtype != "float32"
-        graphshard.shard(workload.model, mesh, strategy=layout.strategy,
-                         param_dtype=layout.param_dtype if low else None,
-                         reduce_dtype="float32" if low else None)
+    low = layout.param_dtype != "float32"
+    with sharded_on_fake_cluster(workload, devices, layout.strategy, layout.shard_size,
+                                 param_dtype=layout.param_dtype if low else None,
+                                 reduce_dtype="float32" if low else None):
         recorder = Recorder(GraphshardOptions(compiler="eager"), cluster=cluster)
         torch.compiler.reset()
         try:
             torch.compile(workload.model, backend=recorder, fullgraph=True)(*workload.inputs)
         except Exception as e:
-            if not _caused_by(e, _Captured):
+            if not caused_by(e, CaptureComplete):
                 raise
         finally:
             torch.compiler.reset()
-    finally:
-        dist.destroy_process_group()
     if not probes:
         raise PlanError(f"{target}: no sharded training graph reached the backend (does the model "
                         "have trainable parameters read in forward?)")

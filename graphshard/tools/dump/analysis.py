@@ -8,7 +8,7 @@ from dataclasses import dataclass
 from typing import Any, Callable, Sequence
 
 from graphshard.tools.dump.capture import capture
-from graphshard.tools.dump.loading import DumpError, Workload, to_fake_tensors
+from graphshard.tools.dump.loading import DumpError, Workload, sharded_on_fake_cluster
 from graphshard.tools.dump.report import (KINDS, CollectiveRecord, CommKind, CommSummary,
                                           DumpReport, Estimate, FinalGraphs, GraphSummary,
                                           MemorySummary, ParamEntry, ParamsSummary, Timing,
@@ -292,10 +292,7 @@ def dump(workload: Workload, *, world_size: int, strategy: str = "full_shard", o
     `progress`: told what the long phases are doing (the CLI prints it to stderr)."""
     import torch
     import torch.distributed as dist
-    from torch.distributed.device_mesh import init_device_mesh
 
-    import graphshard
-    from graphshard._torch_compat import fake_tensor_mode, init_fake_process_group
     from graphshard.compiler.backend import PIPELINE, STAGES
     from graphshard.compiler.cost_model import ClusterSpec, value_bytes
     from graphshard.compiler.options import GraphshardOptions
@@ -318,14 +315,8 @@ def dump(workload: Workload, *, world_size: int, strategy: str = "full_shard", o
         raise DumpError("a torch.distributed process group is already initialised; "
                         "graphshard dump makes its own fake one")
 
-    init_fake_process_group(world_size)
-    try:
-        to_fake_tensors(workload, fake_tensor_mode())
-        mesh = (init_device_mesh("cpu", (world_size // shard_size, shard_size),
-                                 mesh_dim_names=("replicate", "shard"))
-                if strategy == "hybrid_shard" else init_device_mesh("cpu", (world_size,)))
-        graphshard.shard(workload.model, mesh, strategy=strategy, param_dtype=param_dtype,
-                         reduce_dtype=reduce_dtype)
+    with sharded_on_fake_cluster(workload, world_size, strategy, shard_size, param_dtype,
+                                 reduce_dtype) as mesh:
         infos = param_infos(workload.model)
         progress(f"capturing the training step of {workload.description} at world size "
                  f"{world_size} (Dynamo, AOTAutograd, partitioning: most of the dump's time)")
@@ -336,8 +327,6 @@ def dump(workload: Workload, *, world_size: int, strategy: str = "full_shard", o
         records = [r for kind in ("forward", "backward") if kind in estimates
                    for r in collective_records(kind, cap.final[kind], estimates[kind], infos,
                                                cluster)]
-    finally:
-        dist.destroy_process_group()
 
     input_bytes = int(value_bytes(list(torch.utils._pytree.tree_leaves(workload.inputs))))
     fw, bw = estimates["forward"], estimates.get("backward")

@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence
 
 
-class _CaptureComplete(Exception):
+class CaptureComplete(Exception):
     """Raised by the observer once the last graph has been recorded: nothing needs to run."""
 
 
@@ -56,7 +56,7 @@ def capture(model, inputs: tuple, options, stages: Sequence[str],
         if stage == final:
             result.final[kind] = gm  # nothing runs after the final stage with compiler="eager"
             if kind == "backward" or not needs_backward:
-                raise _CaptureComplete()
+                raise CaptureComplete()
         clock[0] = time.perf_counter()  # the text above is the dump's time, not the backend's
 
     # Inductor would only consume the final graphs: skip it, run exactly the backend's passes.
@@ -67,7 +67,7 @@ def capture(model, inputs: tuple, options, stages: Sequence[str],
         with backward_compiled_with_forward():
             compiled(*inputs)
     except Exception as e:
-        if not _caused_by(e, _CaptureComplete):
+        if not caused_by(e, CaptureComplete):
             raise
     finally:
         torch.compiler.reset()
@@ -85,7 +85,7 @@ def _needs_backward(model, inputs) -> bool:
                for t in torch.utils._pytree.tree_leaves(inputs)))
 
 
-def _caused_by(e: BaseException | None, kind: type) -> bool:
+def caused_by(e: BaseException | None, kind: type) -> bool:
     seen = set()
     while e is not None and id(e) not in seen:
         if isinstance(e, kind):

@@ -157,3 +157,28 @@ def to_fake_tensors(workload: Workload, fake_mode, device: str = "cpu") -> None:
             return fake_mode.from_tensor(t)
 
         workload.inputs = torch.utils._pytree.tree_map(fake, workload.inputs)
+
+
+@contextlib.contextmanager
+def sharded_on_fake_cluster(workload: Workload, world_size: int, strategy: str,
+                            shard_size: int | None = None, param_dtype=None, reduce_dtype=None):
+    """A fake process group of `world_size` in this process, the workload's tensors made fake,
+    its model sharded over a 1-D mesh ((replicate, shard) for hybrid_shard); yields the mesh and
+    destroys the group on exit (how dump and plan see a cluster they do not have)."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+
+    import graphshard
+    from graphshard._torch_compat import fake_tensor_mode, init_fake_process_group
+
+    init_fake_process_group(world_size)
+    try:
+        to_fake_tensors(workload, fake_tensor_mode())
+        mesh = (init_device_mesh("cpu", (world_size // shard_size, shard_size),
+                                 mesh_dim_names=("replicate", "shard"))
+                if strategy == "hybrid_shard" else init_device_mesh("cpu", (world_size,)))
+        graphshard.shard(workload.model, mesh, strategy=strategy, param_dtype=param_dtype,
+                         reduce_dtype=reduce_dtype)
+        yield mesh
+    finally:
+        dist.destroy_process_group()
