@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import operator
 from dataclasses import dataclass
-from typing import Any, Iterable
+from typing import Any, Collection, Iterable
 
 import torch
 import torch.fx as fx
@@ -18,8 +18,8 @@ from graphshard.passes.graph_utils import collective_kind, is_collective, is_wai
 
 @dataclass(frozen=True)
 class MemoryEstimate:
-    placeholder_bytes: int  # graph inputs and constants: live for the whole graph
-    peak_transient_bytes: int  # peak of what the graph itself allocates
+    placeholder_bytes: int  # graph inputs and constants the caller keeps: live throughout
+    peak_transient_bytes: int  # peak of what the graph allocates, plus the inputs it may free
     peak_bytes: int  # placeholder_bytes + peak_transient_bytes
     peak_node: str | None  # the node at which the transient peak occurs
 
@@ -41,9 +41,11 @@ def _aliases_input(node: fx.Node) -> bool:
 class Buffers:
     """Storages, not nodes: a node that allocates gets one buffer per tensor it returns; a
     view, an in-place op or a wait shares its input's buffers; getitem picks one output's.
-    Inputs and constants (placeholder, get_attr) are the caller's: live throughout."""
+    Inputs and constants (placeholder, get_attr) are the caller's, live throughout, except the
+    placeholders named in `freed_inputs`: handed over to the graph, which frees each after its
+    last use like a buffer of its own."""
 
-    def __init__(self, gm: fx.GraphModule | fx.Graph):
+    def __init__(self, gm: fx.GraphModule | fx.Graph, freed_inputs: Collection[str] = ()):
         self.sizes: list[int] = []
         self.owned: dict[fx.Node, tuple[int, ...]] = {}  # buffers a node's value keeps alive
         self.inputs: set[int] = set()
@@ -54,7 +56,8 @@ class Buffers:
                 val = getattr(gm, str(node.target), None)
             if node.op in ("placeholder", "get_attr"):
                 self.owned[node] = self._new(val)
-                self.inputs.update(self.owned[node])
+                if node.name not in freed_inputs:
+                    self.inputs.update(self.owned[node])
             elif node.op == "call_function" and _aliases_input(node):
                 src = node.args[0] if node.args else None
                 if node.target is operator.getitem and src in per_output:
@@ -87,11 +90,13 @@ class Buffers:
         return self.bytes_of(collective.all_input_nodes)
 
 
-def memory_estimate(gm: fx.GraphModule | fx.Graph) -> MemoryEstimate:
+def memory_estimate(gm: fx.GraphModule | fx.Graph,
+                    freed_inputs: Collection[str] = ()) -> MemoryEstimate:
     """Liveness walk over buffers in node order: a buffer is freed after the last node that
     uses anything sharing it (outputs stay to the end); a collective reads its input until its
-    wait."""
-    buffers = Buffers(gm)
+    wait. `freed_inputs`: placeholders the graph frees after their last use (see
+    `saved_activations`)."""
+    buffers = Buffers(gm, freed_inputs)
     nodes = list(_graph(gm).nodes)
     index = {n: i for i, n in enumerate(nodes)}
     born: dict[int, int] = {}
@@ -124,36 +129,50 @@ def memory_estimate(gm: fx.GraphModule | fx.Graph) -> MemoryEstimate:
     return MemoryEstimate(placeholder_bytes, peak, placeholder_bytes + peak, peak_node)
 
 
+def saved_activations(backward: fx.GraphModule | fx.Graph) -> set[str]:
+    """The backward's placeholders that are not forward inputs (AOTAutograd names those
+    primals_*: parameter shards and the batch, which the model keeps): the activations forward
+    saved and the incoming gradient. The compiled backward takes them over and frees each
+    after its last use (AOTAutograd clears the saved tensors it passes; Inductor's code drops
+    its inputs as it goes), so they count as the backward's own memory, not the model's."""
+    return {n.name for n in _graph(backward).nodes
+            if n.op == "placeholder" and not n.name.startswith("primals")}
+
+
 @dataclass(frozen=True)
 class StepMemory:
-    """What a training step's graphs allocate beyond their inputs (model state and batch)."""
+    """What a training step's graphs hold beyond the model's state and the batch."""
 
-    forward_transient_bytes: int  # forward's own peak, including the activations it saves
-    backward_saved_bytes: int  # backward inputs that are not forward inputs: saved activations
-    backward_transient_bytes: int  # backward's own peak
+    forward_peak_bytes: int  # forward's own peak, including the activations it saves
+    backward_saved_bytes: int  # the saved activations (and incoming gradient) backward starts with
+    backward_peak_bytes: int  # backward's peak: what is left of those + what it allocates,
+    #                           the gradients it produces included
     peak_graph: str  # "forward" or "backward"
     peak_node: str | None
 
     @property
     def transient_bytes(self) -> int:
-        return max(self.forward_transient_bytes,
-                   self.backward_saved_bytes + self.backward_transient_bytes)
+        return max(self.forward_peak_bytes, self.backward_peak_bytes)
+
+
+def graph_memory(gm: fx.GraphModule | fx.Graph, graph_kind: str) -> MemoryEstimate:
+    """A partitioned graph's estimate: a backward frees its saved activations as it goes."""
+    return memory_estimate(gm, saved_activations(gm) if graph_kind == "backward" else ())
 
 
 def step_memory(forward: fx.GraphModule, backward: fx.GraphModule | None,
                 forward_estimate: MemoryEstimate | None = None,
                 backward_estimate: MemoryEstimate | None = None) -> StepMemory:
-    """Forward then backward; the backward's working set is what forward saved plus its own peak.
-    Pass the graphs' estimates where they are already computed."""
-    fw = forward_estimate or memory_estimate(forward)
+    """Forward then backward. Pass the graphs' estimates (`graph_memory`) where they are
+    already computed."""
+    fw = forward_estimate or graph_memory(forward, "forward")
     if backward is None:
         return StepMemory(fw.peak_transient_bytes, 0, 0, "forward", fw.peak_node)
-    bw = backward_estimate or memory_estimate(backward)
-    # Backward inputs other than forward inputs (primals_*: shards and the batch).
+    bw = backward_estimate or graph_memory(backward, "backward")
+    saved_names = saved_activations(backward)
     saved = sum(tensor_bytes(n.meta["val"]) for n in backward.graph.nodes
-                if n.op == "placeholder" and not n.name.startswith("primals")
-                and isinstance(n.meta.get("val"), torch.Tensor))
-    backward_peak = saved + bw.peak_transient_bytes > fw.peak_transient_bytes
+                if n.name in saved_names and isinstance(n.meta.get("val"), torch.Tensor))
+    backward_peak = bw.peak_transient_bytes > fw.peak_transient_bytes
     return StepMemory(fw.peak_transient_bytes, saved, bw.peak_transient_bytes,
                       "backward" if backward_peak else "forward",
                       bw.peak_node if backward_peak else fw.peak_node)

@@ -86,17 +86,18 @@ def test_builtin_end_to_end_through_the_cli(tmp_path):
     _check_schema(report)
     assert report["world_size"] == 4 and report["strategy"] == "full_shard"
     # One number per memory concept: the backward's own peak in the table is the one in the
-    # peak line, beside the saved activations that make up its working set with it.
+    # peak line; it starts with the saved activations (freed as it goes) and produces the
+    # gradients, which the model state therefore leaves out.
     est, mem = report["estimate"], report["estimate"]["memory"]
     own_peak = est["per_graph"]["backward"]["peak_transient_bytes"]
-    assert mem["backward_transient_bytes"] == own_peak and mem["peak_graph"] == "backward"
-    assert mem["peak_bytes"] == (mem["model_state_bytes"] + mem["input_bytes"]
-                                 + mem["backward_saved_bytes"] + own_peak)
+    assert mem["backward_peak_bytes"] == own_peak and mem["peak_graph"] == "backward"
+    assert mem["model_state_bytes"] == mem["param_bytes"] + mem["optimizer_bytes"]
+    assert mem["peak_bytes"] == mem["model_state_bytes"] + mem["input_bytes"] + own_peak
     table_row = next(line for line in out.splitlines() if line.startswith("backward "))
     peak_line = next(line for line in out.splitlines() if line.startswith("peak memory per rank"))
     own = dump._human(own_peak)
     assert table_row.endswith(own) and f"its own peak {own}" in peak_line
-    assert f"saved activations {dump._human(mem['backward_saved_bytes'])}" in peak_line
+    assert f"with {dump._human(mem['backward_saved_bytes'])} of saved activations" in peak_line
     params = report["params"]
     # Every parameter is used in forward and trainable, all fp32: the forward gathers exactly
     # the parameters, and the backward reduce-scatters exactly their gradients.

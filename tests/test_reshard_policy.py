@@ -50,7 +50,8 @@ def reports(tmp_path_factory) -> dict:
     result = {name: _dump(tmp, *options) for name, options in values.items()}
     resharded, kept = (result[k]["estimate"]["peak_memory_bytes"] / 2**20 for k in ("true", "false"))
     result["budgets"] = {}
-    for fraction in (0.0, 0.35, 0.7, 1.0):  # from "nothing fits" to "everything fits"
+    # From "nothing fits" (below the peak with every unit resharded) to "everything fits".
+    for fraction in (-0.2, 0.35, 0.7, 1.0):
         budget = resharded + fraction * (kept - resharded) + 0.01
         result["budgets"][budget] = _dump(tmp, "reshard_after_forward=auto", f"memory_budget_mb={budget}")
     return result

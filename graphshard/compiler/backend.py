@@ -84,15 +84,20 @@ def _param_order(gm: fx.GraphModule) -> dict[str, int]:
 
 
 def model_state_bytes(joint: fx.GraphModule) -> int:
-    """Per-rank bytes the step does not allocate itself: the joint graph's inputs (parameter
-    shards, buffers, the batch) plus, for each trainable shard, its gradient and two optimizer
-    states (Adam's), as `graphshard dump` counts them."""
+    """Per-rank bytes held across the step outside its graphs: the joint graph's inputs
+    (parameter shards, buffers, the batch) plus two AdamW states per trainable shard. Not the
+    gradients: the backward produces them (they are in its peak); held across micro-batches
+    only under gradient accumulation (`gradient_bytes`)."""
     nodes = joint.graph.nodes
     inputs = sum(tensor_bytes(n.meta["val"]) for n in nodes  # primals: not the tangents
                  if n.op == "placeholder" and n.name.startswith("primals")
                  and isinstance(n.meta.get("val"), torch.Tensor))
-    shards = (read.args[0] for read in trainable_reads(joint).values())
-    return inputs + 3 * sum(tensor_bytes(shard.meta["val"]) for shard in shards)
+    return inputs + 2 * gradient_bytes(joint)
+
+
+def gradient_bytes(joint: fx.GraphModule) -> int:
+    """Per-rank bytes of the gradients: one per trainable shard, in the shard's dtype."""
+    return sum(tensor_bytes(read.args[0].meta["val"]) for read in trainable_reads(joint).values())
 
 
 def trainable_reads(joint: fx.GraphModule) -> dict[str, fx.Node]:
@@ -174,14 +179,19 @@ def _check_all_parameters_sharded(example_inputs: Sequence[Any]) -> None:
         )
 
 
-def run_pipeline(gm: fx.GraphModule, ctx: PassContext,
-                 observer: StageObserver | None = None) -> fx.GraphModule:
-    """Run the stages of `ctx.graph_kind`'s family, in order; a disabled stage leaves the graph
-    unchanged but still counts as run (its successors' requirements hold)."""
+def run_pipeline(gm: fx.GraphModule, ctx: PassContext, observer: StageObserver | None = None,
+                 *, stop_after: str | None = None, resume: bool = False) -> fx.GraphModule:
+    """Run the stages of `ctx.graph_kind`'s family, in order, up to `stop_after` (default: to
+    the end); with `resume`, only those not yet run on `gm` (a graph stopped earlier: option
+    sets that differ only in later stages share the earlier ones, as in the planner). A
+    disabled stage leaves the graph unchanged but still counts as run (its successors'
+    requirements hold)."""
     for stage in PIPELINE:
         if stage.graphs != _FAMILY[ctx.graph_kind]:
             continue
         done = gm.meta.get("graphshard_stages", ())
+        if resume and stage.name in done:
+            continue
         missing = [name for name in stage.requires if name not in done]
         if missing:
             raise RuntimeError(f"graphshard stage {stage.name!r} needs {missing} to have run on "
@@ -191,6 +201,8 @@ def run_pipeline(gm: fx.GraphModule, ctx: PassContext,
         gm.meta["graphshard_stages"] = (*done, stage.name)
         if observer:
             observer(ctx.graph_kind, stage.name, gm)
+        if stage.name == stop_after:
+            break
     return gm
 
 
@@ -219,9 +231,12 @@ class GraphshardCompiler:
         forward, backward = self.partition(joint, joint_inputs, **partition_kwargs)
         return self.run_split_stages(forward, backward)
 
-    def run_split_stages(self, forward: fx.GraphModule, backward: fx.GraphModule):
-        return (run_pipeline(forward, self._context("forward", *self.split_context), self.observer),
-                run_pipeline(backward, self._context("backward", *self.split_context), self.observer))
+    def run_split_stages(self, forward: fx.GraphModule, backward: fx.GraphModule, *,
+                         stop_after: str | None = None, resume: bool = False):
+        """The split stages on a partition's forward and backward (`run_pipeline`'s options)."""
+        return tuple(run_pipeline(gm, self._context(kind, *self.split_context), self.observer,
+                                  stop_after=stop_after, resume=resume)
+                     for kind, gm in (("forward", forward), ("backward", backward)))
 
     def _context(self, graph_kind: str, param_order: Mapping[str, int] = {},
                  via_all_to_all: frozenset[str] = frozenset()) -> PassContext:

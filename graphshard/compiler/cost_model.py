@@ -64,14 +64,21 @@ class ClusterSpec:
     # Whether a collective runs beside compute. False where the ranks' compute already fills
     # every core, so the collective library's threads take turns with it (gloo on this CPU).
     comm_overlaps_compute: bool = True
+    # The process group backend: on "gloo" graphshard runs all-gather and reduce-scatter as
+    # all-to-all (GraphshardOptions.via_all_to_all), whose buffers the planner then counts.
+    collective_backend: str = "nccl"
 
     def __post_init__(self) -> None:
         if not isinstance(self.comm_overlaps_compute, bool):
             raise ValueError(f"ClusterSpec.comm_overlaps_compute must be a bool, got "
                              f"{self.comm_overlaps_compute!r}")
+        if self.collective_backend not in ("nccl", "gloo"):
+            raise ValueError(f"ClusterSpec.collective_backend must be 'nccl' or 'gloo', got "
+                             f"{self.collective_backend!r}")
         for f in dataclasses.fields(self):
             value = getattr(self, f.name)
-            if f.name == "comm_overlaps_compute" or (value is None and f.default is None):
+            if (f.name in ("comm_overlaps_compute", "collective_backend")
+                    or (value is None and f.default is None)):
                 continue
             # 0 is a meaningful idealisation for the fixed costs, never for a rate we divide by.
             may_be_zero = f.name in ("latency_s", "kernel_overhead_s", "inter_node_latency_s",

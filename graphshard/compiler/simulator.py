@@ -13,7 +13,7 @@ import torch.fx as fx
 from graphshard.compiler.cost_model import (ClusterSpec, CollectiveCost, GroupSizes, collective_node_cost,
                                    is_plain_number, node_cost)
 from graphshard.passes.graph_utils import collective_group, is_collective, is_wait
-from graphshard.passes.liveness import MemoryEstimate, memory_estimate
+from graphshard.passes.liveness import MemoryEstimate, graph_memory
 
 
 @dataclass(frozen=True)
@@ -107,7 +107,8 @@ def _overlap(busy: list[tuple[float, float]], starts: list[float], a: float, b: 
 
 def graph_estimate(gm: fx.GraphModule | fx.Graph, spec: ClusterSpec,
                    world_size: GroupSizes = None,
-                   group_specs: Mapping[str, ClusterSpec] | None = None) -> GraphEstimate:
+                   group_specs: Mapping[str, ClusterSpec] | None = None,
+                   graph_kind: str = "forward") -> GraphEstimate:
     """Simulate the graph on two lanes, in node order, deterministically.
 
     Compute nodes run back to back on the compute lane. A collective is issued when compute
@@ -115,6 +116,8 @@ def graph_estimate(gm: fx.GraphModule | fx.Graph, spec: ClusterSpec,
     gloo/NCCL stream). A wait_tensor blocks compute until its collective ends; where
     `spec.comm_overlaps_compute` is False, so does the collective itself. `group_specs`:
     the spec a process group's collectives see (by group name; e.g. `spec.link(spans_nodes)`).
+    `graph_kind`: "backward" for a backward graph, whose memory counts the saved activations
+    it frees as it goes.
     """
     if not (world_size is None or isinstance(world_size, Mapping) or is_plain_number(world_size)):
         raise ValueError(f"graph_estimate simulates numbers: world_size must be an int, a "
@@ -160,4 +163,4 @@ def graph_estimate(gm: fx.GraphModule | fx.Graph, spec: ClusterSpec,
     total = max(compute_t, comm_free)
     return GraphEstimate(total, compute_s, sum(c.dur_s for c in collectives),
                          max(total - compute_s, 0.0), tuple(events), tuple(collectives),
-                         memory_estimate(gm))
+                         graph_memory(gm, graph_kind))

@@ -126,7 +126,8 @@ def calibrate(world_size: int = 2, sizes: Iterable[int] = (), repeats: int = 10,
     # Ranks fill the cores with compute, so gloo's threads take turns with it: no overlap.
     return ClusterSpec(latency_s=alpha, bandwidth_Bps=bandwidth, device_memory_bytes=memory,
                        step_overhead_s=measure_step_overhead(world_size, repeats),
-                       comm_overlaps_compute=(os.cpu_count() or 1) > world_size, **compute)
+                       comm_overlaps_compute=(os.cpu_count() or 1) > world_size,
+                       collective_backend="gloo", **compute)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -145,7 +146,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                     for b, t in samples],
                    headers=["all_gather bytes", "measured ms", "model ms"], floatfmt=".3f"))
     print()
-    print(tabulate([(k, "-" if v is None else v if isinstance(v, bool) else f"{v:.4g}")
+    print(tabulate([(k, "-" if v is None else v if isinstance(v, (bool, str)) else f"{v:.4g}")
                     for k, v in dataclasses.asdict(spec).items()],
                    headers=["parameter", "value"]))
     if args.out:

@@ -29,13 +29,14 @@ JSON (`--out`): {"shard": keyword arguments for graphshard.shard plus "mesh_shap
 for torch.compile(..., backend="graphshard", options=...), "activation_checkpointing":
 graphshard.apply_activation_checkpointing's mode, "micro_batch", "accumulation_steps"}; `--json`
 every configuration tried (a list under "configs", best first); `--trace` a Chrome trace of the
-best configuration's simulated step (of the captured graphs: the 2-block probe when
+best configuration's simulated step (of the captured graphs: the 5-block probe when
 extrapolated). Bad input exits with status 2 and one line on stderr.
 """
 
 from __future__ import annotations
 
 import argparse
+import collections
 import contextlib
 import dataclasses
 import functools
@@ -90,18 +91,18 @@ class Probe:
     comm_bytes: float  # wire bytes this device sends
     # StepMemory's parts, extrapolated each on its own: the peak is their max, which need not
     # be linear in depth (it may move from the forward to the backward)
-    forward_transient_bytes: float
+    forward_peak_bytes: float
     backward_saved_bytes: float
-    backward_transient_bytes: float
-    state_bytes: float  # parameter shards, gradients, AdamW state, the batch
+    backward_peak_bytes: float
+    state_bytes: float  # parameter shards, AdamW state, the batch
+    gradient_bytes: float  # held between micro-batches under accumulation
     trainable_params: float  # full parameter count (for MFU)
     trainable_shard_elements: float  # this device's (for the optimizer step)
     estimates: Any = None  # {"forward", "backward": GraphEstimate}, for --trace
 
     @property
     def transient_bytes(self) -> float:
-        return max(self.forward_transient_bytes,
-                   self.backward_saved_bytes + self.backward_transient_bytes)
+        return max(self.forward_peak_bytes, self.backward_peak_bytes)
 
     def combine(self, other: "Probe", weight: float) -> "Probe":
         """self + weight * (other - self), field by field (linear extrapolation in depth)."""
@@ -214,11 +215,11 @@ def _group_links(joint, cluster, devices: int) -> dict:
 
 def _probes(compiler, joint, joint_inputs, kwargs, knobs: Sequence[Knobs], cluster,
             devices: int) -> dict[Knobs, Probe]:
-    """Evaluate every knob set on one joint graph: one partition per reshard decision, then
-    the split stages and the estimate on a copy of its graphs per prefetch/bucket setting."""
+    """Evaluate every knob set on one joint graph: its partition and split stages (sharing
+    the stages knob sets have in common), then the estimate."""
     import copy
 
-    from graphshard.compiler.backend import model_state_bytes, trainable_reads
+    from graphshard.compiler.backend import gradient_bytes, model_state_bytes, trainable_reads
     from graphshard.compiler.options import GraphshardOptions
     from graphshard.compiler.simulator import graph_estimate
     from graphshard.passes.liveness import step_memory
@@ -230,27 +231,46 @@ def _probes(compiler, joint, joint_inputs, kwargs, knobs: Sequence[Knobs], clust
 
     trainable = [(read.meta["val"].numel(), read.args[0].meta["val"].numel())
                  for read in trainable_reads(joint).values()]  # (full, this rank's shard)
-    state = model_state_bytes(joint)
+    state, gradients = model_state_bytes(joint), gradient_bytes(joint)
+    # The collectives as the cluster's process groups run them (the capture's are fake).
+    transport = GraphshardOptions().via_all_to_all(on_gloo=cluster.collective_backend == "gloo")
+    compiler.split_context = (compiler.split_context[0], transport)
     links = _group_links(joint, cluster, devices)
-    partitions = {}
-    for keep in dict.fromkeys(k.keep for k in knobs):
-        variant = compiler.with_options(options(next(k for k in knobs if k.keep == keep)))
-        partitions[keep] = variant.partition(joint, joint_inputs, **kwargs)
+    # Option sets share the stages before the first one they differ in: one partition and
+    # lowering per reshard decision, one bucketing per bucket size, then the schedule.
+    bucket_uses = collections.Counter((k.keep, k.bucket_mb) for k in knobs)
+    uses = bucket_uses + collections.Counter(keep for keep, _ in bucket_uses)
+    shared: dict = {}
+
+    def take(key):
+        """A shared stage's graphs: a copy, or the graphs themselves for their last user."""
+        uses[key] -= 1
+        return shared.pop(key) if uses[key] == 0 else copy.deepcopy(shared[key])
+
     probes = {}
     for knob in knobs:
-        graphs = copy.deepcopy(partitions[knob.keep])
-        forward, backward = compiler.with_options(options(knob)).run_split_stages(*graphs)
-        estimates = {kind: graph_estimate(gm, cluster, group_specs=links)
+        variant = compiler.with_options(options(knob))
+        if knob.keep not in shared and (knob.keep, knob.bucket_mb) not in shared:
+            shared[knob.keep] = variant.run_split_stages(
+                *variant.partition(joint, joint_inputs, **kwargs), stop_after="lowered")
+        if (knob.keep, knob.bucket_mb) not in shared:
+            shared[knob.keep, knob.bucket_mb] = variant.run_split_stages(
+                *take(knob.keep), stop_after="bucketed", resume=True)
+        forward, backward = variant.run_split_stages(*take((knob.keep, knob.bucket_mb)),
+                                                     resume=True)
+        estimates = {kind: graph_estimate(gm, cluster, group_specs=links, graph_kind=kind)
                      for kind, gm in (("forward", forward), ("backward", backward))}
-        memory = step_memory(forward, backward)
+        memory = step_memory(forward, backward, estimates["forward"].memory,
+                             estimates["backward"].memory)
         probes[knob] = Probe(
             step_s=sum(e.total_s for e in estimates.values()),
             exposed_comm_s=sum(e.exposed_comm_s for e in estimates.values()),
             comm_bytes=_wire_bytes(estimates),
-            forward_transient_bytes=memory.forward_transient_bytes,
+            forward_peak_bytes=memory.forward_peak_bytes,
             backward_saved_bytes=memory.backward_saved_bytes,
-            backward_transient_bytes=memory.backward_transient_bytes,
+            backward_peak_bytes=memory.backward_peak_bytes,
             state_bytes=state,
+            gradient_bytes=gradients,
             trainable_params=sum(full for full, _ in trainable),
             trainable_shard_elements=sum(local for _, local in trainable),
             estimates=estimates)
@@ -334,10 +354,12 @@ class _InProcess:
 
 
 def depth_probes(target: str, model_args: dict) -> tuple[int | None, tuple]:
-    """(repeated blocks in the model, the block counts to capture: (3, 4) to extrapolate from,
+    """(repeated blocks in the model, the block counts to capture: (4, 5) to extrapolate from,
     or (None,): the model as built). The first blocks are unlike the rest: a 1-block model's
-    only block is also the last one of forward, and backward's working set (what is gathered
-    and prefetched while gradients are reduced) grows with depth only from about 3 blocks on."""
+    only block is also the last one of forward, and where backward peaks (while the last
+    blocks' activations are alive, or at its end with every gradient produced) settles only
+    from about 4 blocks on: from 3 and 4 blocks the backward's peak grew 4x faster per block
+    than it does after (an 8-block transformer, tests/test_plan.py)."""
     from graphshard.activation_checkpointing import repeated_blocks
     from graphshard.tools.dump.loading import import_factory, load_workload
     from graphshard.tools.models import BUILTIN_MODELS
@@ -349,8 +371,8 @@ def depth_probes(target: str, model_args: dict) -> tuple[int | None, tuple]:
         return None, (None,)
     factory = BUILTIN_MODELS.get(target) or import_factory(target)
     takes = target in BUILTIN_MODELS or "n_layers" in inspect.signature(factory).parameters
-    probed = takes and "n_layers" not in model_args and depth > 4
-    return depth, (3, 4) if probed else (None,)
+    probed = takes and "n_layers" not in model_args and depth > 5
+    return depth, (4, 5) if probed else (None,)
 
 
 def _finish(layout: Layout, knobs: Knobs, probe: Probe, *, accumulation: int, cluster, devices: int,
@@ -358,7 +380,8 @@ def _finish(layout: Layout, knobs: Knobs, probe: Probe, *, accumulation: int, cl
     optimizer_s = (probe.trainable_shard_elements * ADAMW_BYTES_PER_ELEMENT / cluster.memory_bandwidth_Bps
                    + cluster.kernel_overhead_s)
     step = accumulation * (probe.step_s + cluster.step_overhead_s) + optimizer_s
-    peak = probe.state_bytes + probe.transient_bytes
+    # Micro-batches after the first run with the earlier ones' gradients held.
+    peak = probe.state_bytes + probe.transient_bytes + (probe.gradient_bytes if accumulation > 1 else 0)
     import torch
 
     peak_flops = cluster.peak_flops(getattr(torch, layout.param_dtype))
@@ -384,7 +407,7 @@ def _auto(layout: Layout, at: Callable[[Knobs], Probe], depth: int, knobs: Knobs
         return None
     base, full = at(last), at(every)
     per_block = (full.transient_bytes - base.transient_bytes) / depth
-    spare = limit - (base.state_bytes + base.transient_bytes)
+    spare = limit - finish(layout, last, base).peak_memory_bytes
     kept = depth if per_block <= 0 else max(0, min(depth, int(spare // per_block)))
     if not 0 < kept < depth:
         return None  # the same as "last" or "all"

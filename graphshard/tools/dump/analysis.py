@@ -213,15 +213,16 @@ def difference_notes(records: list[CollectiveRecord], infos: dict[str, ParamInfo
 
 def memory_summary(fw, bw, fw_graph, bw_graph, infos: dict[str, ParamInfo],
                    input_bytes: int) -> MemorySummary:
-    """Per-rank peak: model state (shards, gradients, AdamW state) plus the larger of the
-    forward's and the backward's transient memory from the cost model's liveness walk.
+    """Per-rank peak: model state (shards, AdamW state) plus the larger of the forward's and
+    the backward's peak from the cost model's liveness walk (the backward's includes the
+    gradients it produces).
     fw, bw: simulator.GraphEstimate (bw None without a backward); fw_graph, bw_graph: theirs."""
     from graphshard.passes.liveness import step_memory
 
     param_bytes = sum(p.local_numel * p.dtype.itemsize for p in infos.values())
     grad_bytes = sum(p.local_numel * p.dtype.itemsize for p in infos.values() if p.requires_grad)
     optimizer_bytes = 2 * grad_bytes
-    state = param_bytes + grad_bytes + optimizer_bytes
+    state = param_bytes + optimizer_bytes  # gradients: produced by backward, in its peak
     # The same step model the backend's reshard_after_forward="auto" keeps within its budget.
     step = step_memory(fw_graph, bw_graph if bw is not None else None, fw.memory,
                        bw.memory if bw is not None else None)
@@ -231,9 +232,9 @@ def memory_summary(fw, bw, fw_graph, bw_graph, infos: dict[str, ParamInfo],
         optimizer_bytes=optimizer_bytes,
         model_state_bytes=state,
         input_bytes=input_bytes,
-        forward_transient_bytes=step.forward_transient_bytes,
+        forward_peak_bytes=step.forward_peak_bytes,
         backward_saved_bytes=step.backward_saved_bytes,
-        backward_transient_bytes=step.backward_transient_bytes,
+        backward_peak_bytes=step.backward_peak_bytes,
         peak_graph=step.peak_graph,
         peak_node=step.peak_node,
         peak_bytes=state + input_bytes + step.transient_bytes,
@@ -323,7 +324,8 @@ def dump(workload: Workload, *, world_size: int, strategy: str = "full_shard", o
         cap = capture(workload.model, workload.inputs, options, stages, progress)
         captured = time.perf_counter()
         progress("estimating time and memory with the cost model")
-        estimates = {kind: graph_estimate(gm, cluster) for kind, gm in cap.final.items()}
+        estimates = {kind: graph_estimate(gm, cluster, graph_kind=kind)
+                     for kind, gm in cap.final.items()}
         records = [r for kind in ("forward", "backward") if kind in estimates
                    for r in collective_records(kind, cap.final[kind], estimates[kind], infos,
                                                cluster)]

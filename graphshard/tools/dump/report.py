@@ -99,17 +99,17 @@ class CommSummary:
 
 @dataclass
 class MemorySummary:
-    """Per-rank memory. A graph's own peak ("transient") is the most it allocates at one time
-    beyond its inputs; the forward's includes the activations it saves. The backward holds
-    those saved activations as inputs: its working set is saved + its own peak."""
+    """Per-rank memory. A graph's own peak is the most it holds at one time beyond the model
+    state and the batch: the forward's includes the activations it saves; the backward's
+    starts with those, frees each after its last use, and includes the gradients it produces."""
     param_bytes: int  # rank 0's parameter shards
-    grad_bytes: int
+    grad_bytes: int  # produced by the backward: part of its peak
     optimizer_bytes: int  # AdamW: 2 x trainable shards
-    model_state_bytes: int  # params + grads + optimizer
+    model_state_bytes: int  # params + optimizer
     input_bytes: int
-    forward_transient_bytes: int  # the forward's own peak (as GraphSummary.peak_transient_bytes)
-    backward_saved_bytes: int
-    backward_transient_bytes: int  # the backward's own peak
+    forward_peak_bytes: int  # the forward's own peak (as GraphSummary.peak_transient_bytes)
+    backward_saved_bytes: int  # what the backward starts with: saved activations, incoming grad
+    backward_peak_bytes: int  # the backward's own peak
     peak_graph: str  # "forward" | "backward": whose working set is the larger
     peak_node: str | None  # where that graph peaks
     peak_bytes: int  # model state + inputs + the larger working set
@@ -254,19 +254,21 @@ def format_report(report: DumpReport, texts: dict[tuple[str, str], str],
                  f"{est.comm_s * 1e3:.2f}", f"{est.exposed_comm_s * 1e3:.2f}", ""))
     cluster = est.cluster
     if mem.peak_graph == "backward":
-        working_set = (f"backward: saved activations {human(mem.backward_saved_bytes)} + "
-                       f"its own peak {human(mem.backward_transient_bytes)}")
+        working_set = (f"backward: its own peak {human(mem.backward_peak_bytes)} (it starts "
+                       f"with {human(mem.backward_saved_bytes)} of saved activations and "
+                       f"produces {human(mem.grad_bytes)} of gradients)")
     else:
-        working_set = f"forward: its own peak {human(mem.forward_transient_bytes)}"
+        working_set = f"forward: its own peak {human(mem.forward_peak_bytes)}"
     out += [f"==== estimate (cost model: alpha {cluster.latency_s * 1e6:.0f} us, "
             f"{human(cluster.bandwidth_Bps)}/s, {cluster.flops_per_s:.3g} FLOP/s) ====",
             tabulate(rows, headers=["", "time ms", "compute ms", "comm ms", "exposed comm ms",
                                     "own peak"]),
-            "  own peak: the most a graph allocates at one time beyond its inputs (the forward's "
-            "includes the activations it saves for backward)",
+            "  own peak: the most a graph holds at one time beyond the model state and the batch "
+            "(the forward's includes the activations it saves; the backward starts with those, "
+            "frees each after its last use and produces the gradients)",
             f"peak memory per rank: {human(mem.peak_bytes)} = model state "
-            f"{human(mem.model_state_bytes)} (params {human(mem.param_bytes)}, grads "
-            f"{human(mem.grad_bytes)}, AdamW {human(mem.optimizer_bytes)}) + inputs "
+            f"{human(mem.model_state_bytes)} (params {human(mem.param_bytes)}, AdamW "
+            f"{human(mem.optimizer_bytes)}) + inputs "
             f"{human(mem.input_bytes)} + {working_set} (at {mem.peak_node})",
             f"dump took {r.timing.total_s:.1f} s (capture {r.timing.capture_s:.1f} s)"]
     return "\n".join(out)
