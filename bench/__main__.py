@@ -65,7 +65,7 @@ def main(argv: list[str] | None = None) -> int:
 
     # Imported here so `--help` and argument errors stay fast.
     from graphshard.bench.harness import BenchConfig, run
-    from graphshard.bench.report import format_table, plot, summarize, write_json
+    from graphshard.bench.report import format_breakdown, format_table, plot, summarize, write_json
 
     cfg = BenchConfig(
         model=args.model, model_args=args.model_args, nproc=args.nproc, methods=args.methods,
@@ -87,6 +87,8 @@ def main(argv: list[str] | None = None) -> int:
     timing, profile = run(cfg)
     summary = summarize(cfg, timing, profile)
     print(format_table(summary))
+    print()
+    print(format_breakdown(summary))
     if args.plot:
         note = plot(summary, args.plot)
         summary["notes"].append(note or f"plot written to {args.plot}")

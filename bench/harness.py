@@ -35,7 +35,7 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from graphshard._torch_compat import allow_recompiles, compile_counters
 
-from graphshard.bench.measure import (analyze, count_frees_on_every_thread, measured_step,
+from graphshard.bench.measure import (analyze, count_frees_on_every_thread, measured_step, phase,
                                       memory_profile)
 from graphshard.bench.methods import MethodUnavailable, method
 from graphshard.bench.workload import Workload, build_workload
@@ -75,6 +75,7 @@ class RankResult:
     losses: dict[str, list[float]] = field(default_factory=dict)
     profile: dict[str, dict] = field(default_factory=dict)
     dynamo: dict[str, dict[str, int]] = field(default_factory=dict)  # compile counters
+    predicted_peak_bytes: dict[str, int] = field(default_factory=dict)  # graphshard's memory model
     loadavg: list[list[float]] = field(default_factory=list)  # one (1, 5, 15 min) per repeat
 
 
@@ -98,12 +99,16 @@ def make_train_step(
     """The one training step every method runs; returns this rank's loss."""
 
     def step() -> torch.Tensor:
-        loss = loss_fn(module(*inputs), *inputs)
-        loss.backward()
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
+        with phase("forward"):
+            loss = loss_fn(module(*inputs), *inputs)
+        with phase("backward"):
+            loss.backward()
+        with phase("optimizer"):
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
         return loss.detach()
 
+    step.module = module  # what it trains (the profile reads graphshard's prediction there)
     return step
 
 
@@ -240,6 +245,9 @@ def profile_phase(cfg: BenchConfig, workload: Workload, mesh: DeviceMesh, inputs
                 step(), step()
                 with measured_step():
                     step()
+            compiler = getattr(step.module, "graphshard_compiler", None)
+            if compiler is not None and compiler.predicted_peak_bytes is not None:
+                result.predicted_peak_bytes[name] = compiler.predicted_peak_bytes
             del step
             gc.collect()
             result.profile[name] = asdict(analyze(prof, dist.get_world_size()))

@@ -33,6 +33,10 @@ from graphshard._torch_compat import count_cpu_frees_on_every_thread as count_fr
 from graphshard._torch_compat import cpu_allocations
 
 STEP_MARK = "bench::measured_step"
+PHASES = ("forward", "backward", "optimizer")  # of a step, marked by `phase`
+# Where the main thread blocks on communication: a functional collective's wait (compiled
+# methods), a c10d Work's wait (FSDP2, DDP's reducer at the end of backward).
+_WAIT_EVENTS = ("_c10d_functional::wait_tensor", "c10d::wait", "aten::wait")
 _GLOO_PREFIX = "gloo:"
 _FLOAT32_BYTES = 4
 
@@ -42,6 +46,9 @@ class StepProfile:
     collectives: dict[str, int] = field(default_factory=dict)  # kind -> count in the step
     comm_bytes: dict[str, int] = field(default_factory=dict)  # kind -> bytes in the step
     peak_bytes: int = 0  # peak of this method's live CPU tensor bytes during the step
+    # Where the measured step's time goes (main thread, ms): each phase, and the time spent
+    # blocked on communication ("wait") inside the step.
+    breakdown_ms: dict[str, float] = field(default_factory=dict)
 
     @property
     def total_collectives(self) -> int:
@@ -57,6 +64,11 @@ def memory_profile() -> Iterator[profile]:
     """A CPU profiling session that records shapes and allocator events."""
     with profile(activities=[ProfilerActivity.CPU], record_shapes=True, profile_memory=True) as prof:
         yield prof
+
+
+def phase(name: str):
+    """Marks a phase of the training step (one of PHASES) for the breakdown."""
+    return record_function(f"bench::{name}")
 
 
 @contextmanager
@@ -98,15 +110,31 @@ def analyze(prof: profile, world_size: int) -> StepProfile:
             kind = name[len(_GLOO_PREFIX):]
             counts[kind] += 1
             sizes[kind] += _message_bytes(kind, event.shapes(), world_size)
+    breakdown = {name: sum(e.end_ns() - e.start_ns() for e in events if e.name() == f"bench::{name}"
+                           and start <= e.start_ns() <= end) / 1e6 for name in PHASES}
+    waits = [e for e in events if e.name() in _WAIT_EVENTS and start <= e.start_ns() <= end]
+    breakdown["wait"] = _union_ns([(e.start_ns(), e.end_ns()) for e in waits]) / 1e6
+    breakdown["step"] = (end - start) / 1e6
     allocations = cpu_allocations(prof)
     if not allocations:
-        return StepProfile(dict(counts), dict(sizes), 0)
+        return StepProfile(dict(counts), dict(sizes), 0, breakdown)
     _, first_bytes, first_total = allocations[0]
     at_open = first_total - first_bytes  # live bytes when the session opened
     before = [total for t, _, total in allocations if t < start]
     during = [total for t, _, total in allocations if start <= t <= end]
     peak = max(during + before[-1:], default=at_open)  # entering the step, or inside it
-    return StepProfile(dict(counts), dict(sizes), peak - at_open)
+    return StepProfile(dict(counts), dict(sizes), peak - at_open, breakdown)
+
+
+def _union_ns(intervals: list[tuple[int, int]]) -> int:
+    """Length of the union of intervals (nested wait events count once)."""
+    total, reach = 0, None
+    for a, b in sorted(intervals):
+        if reach is None or a > reach:
+            total, reach = total + b - a, b
+        elif b > reach:
+            total, reach = total + b - reach, b
+    return total
 
 
 @dataclass(frozen=True)

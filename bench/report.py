@@ -47,6 +47,10 @@ def _method_summary(name: str, timing: list[RankResult], profile: list[RankResul
         entry["comm_mb_by_kind"] = {k: v / _MB for k, v in step["comm_bytes"].items()}
         entry["peak_mib_per_rank"] = [r.profile[name]["peak_bytes"] / _MIB for r in profile]
         entry["peak_mib"] = max(entry["peak_mib_per_rank"])
+        entry["breakdown_ms"] = step.get("breakdown_ms", {})  # rank 0's measured step
+        predicted = [r.predicted_peak_bytes.get(name) for r in profile]
+        if None not in predicted:  # graphshard's memory model, as `graphshard dump` shows it
+            entry["predicted_peak_mib"] = max(predicted) / _MIB
     return entry
 
 
@@ -97,7 +101,7 @@ def _fmt(value, spec: str) -> str:
 
 def format_table(summary: dict) -> str:
     headers = ["method", "step ms median [min-max]", "x fsdp2_eager", "x ddp_eager",
-               "coll/step", "comm MB/step", "peak MiB/rank", "compile s cold/warm",
+               "coll/step", "comm MB/step", "peak MiB/rank", "predicted MiB", "compile s cold/warm",
                f"loss max|d| vs {summary['loss_reference']}"]
     rows = []
     for name, m in summary["methods"].items():
@@ -114,11 +118,28 @@ def format_table(summary: dict) -> str:
             _fmt(m.get("collectives_per_step"), "d"),
             _fmt(m.get("comm_mb_per_step"), ".2f"),
             _fmt(m.get("peak_mib"), ".1f"),
+            _fmt(m.get("predicted_peak_mib"), ".1f"),
             "-" if compile_s is None
             else f"{_fmt(compile_s['cold'], '.1f')} / {_fmt(compile_s['warm'], '.1f')}",
             f"{m['loss_max_abs_diff']:.2e}",
         ])
     return tabulate(rows, headers=headers, disable_numparse=True)
+
+
+def format_breakdown(summary: dict) -> str:
+    """Where one profiled step's time goes, per method (rank 0, main thread, ms): forward,
+    backward and optimizer phases, and the time the compiled methods' graphs block in
+    wait_tensor on a collective (eager methods wait inside c10d, which this does not count).
+    Under the profiler, so slower than the timed steps: compare methods, not absolute numbers."""
+    rows = []
+    for name, m in summary["methods"].items():
+        b = m.get("breakdown_ms")
+        if m["status"] != OK or not b:
+            continue
+        rows.append([name, *(f"{b.get(k, 0):.1f}" for k in ("step", "forward", "backward", "optimizer",
+                                                             "wait"))])
+    return tabulate(rows, headers=["method (profiled step)", "step ms", "forward", "backward",
+                                   "optimizer", "of which in wait_tensor"], disable_numparse=True)
 
 
 def write_json(summary: dict, path: str) -> None:

@@ -71,7 +71,8 @@ def _profiled_graphshard_step(rank: int, world: int) -> dict:
         step(), step()
         with measured_step():
             step()
-    return asdict(analyze(prof, world))
+    predicted = step.module.graphshard_compiler.predicted_peak_bytes
+    return asdict(analyze(prof, world)) | {"predicted_peak_bytes": predicted}
 
 
 def test_collectives_counted_per_step_for_graphshard_match_its_units():
@@ -85,6 +86,14 @@ def test_collectives_counted_per_step_for_graphshard_match_its_units():
     for profile in run_local(_profiled_graphshard_step, 2):
         assert profile["collectives"] == {"all_gather": 2 * units - 1, "all_to_all": units}
         assert profile["comm_bytes"]["all_to_all"] == param_bytes
+        # The compiler records its predicted peak for the bench to print beside the measured
+        # one (how close they are at realistic sizes, under Inductor: the fidelity bench).
+        assert 0 < profile["predicted_peak_bytes"] < 2 * profile["peak_bytes"]
+        # The step's time by phase: each phase inside the step, the graphs' waits inside them.
+        phases = profile["breakdown_ms"]
+        assert all(phases[p] > 0 for p in ("forward", "backward", "optimizer", "wait"))
+        assert phases["forward"] + phases["backward"] + phases["optimizer"] <= phases["step"]
+        assert phases["wait"] <= phases["forward"] + phases["backward"]
 
 
 def test_peak_memory_sees_frees_made_on_other_threads():

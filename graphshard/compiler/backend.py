@@ -30,7 +30,7 @@ from graphshard.compiler.cost_model import (ClusterSpec, collective_node_cost, c
 from graphshard.compiler.options import GraphshardOptions
 from graphshard.passes.context import PassContext
 from graphshard.passes.graph_utils import is_reduce_grad, is_unshard, tensor_bytes
-from graphshard.passes.liveness import step_memory
+from graphshard.passes.liveness import MemoryEstimate, graph_memory, step_memory
 from graphshard.passes.markers import ReduceSpec, UnshardSpec
 from graphshard.passes.bucket_collectives import bucket_collectives
 from graphshard.passes.insert_collectives import insert_collectives
@@ -217,6 +217,21 @@ class GraphshardCompiler:
                                    else ClusterSpec.default())
         # (param_order, via_all_to_all) of the Dynamo graph being compiled, for the split stages
         self.split_context: tuple[Mapping[str, int], frozenset[str]] = ({}, frozenset())
+        # The memory model's view of the step compiled last (`predicted_peak_bytes`).
+        self.state_bytes: int | None = None
+        self.graph_memory: dict[str, MemoryEstimate] = {}
+
+    @property
+    def predicted_peak_bytes(self) -> int | None:
+        """Per-rank peak of the training step compiled last, as the memory model predicts it
+        (the number `graphshard dump` shows and reshard_after_forward="auto" keeps within the
+        budget): model state plus the larger of the forward's and the backward's own peak.
+        None until both of its graphs are compiled (the backward compiles at the first
+        backward)."""
+        if self.state_bytes is None or not {"forward", "backward"} <= self.graph_memory.keys():
+            return None
+        return self.state_bytes + max(self.graph_memory[kind].peak_transient_bytes
+                                      for kind in ("forward", "backward"))
 
     def with_options(self, options: GraphshardOptions) -> "GraphshardCompiler":
         """The same compiler (cluster, the graph being compiled) with other options and no
@@ -249,6 +264,7 @@ class GraphshardCompiler:
         if self.options.reshard_after_forward == "auto":
             ctx = replace(ctx, keep_gathered=self._choose_kept_units(joint, joint_inputs, kwargs))
         joint = run_pipeline(joint, ctx, self.observer)
+        self.state_bytes, self.graph_memory = model_state_bytes(joint), {}
         return compat.inductor_partition(joint, joint_inputs, **kwargs)
 
     def _choose_kept_units(self, joint: fx.GraphModule, joint_inputs, kwargs) -> frozenset[str]:
@@ -294,6 +310,7 @@ class GraphshardCompiler:
         def compile_graph(gm: fx.GraphModule, example_inputs: Sequence[Any]):
             ctx = self._context(graph_kind, param_order, via_all_to_all)
             gm = run_pipeline(gm, ctx, self.observer)
+            self.graph_memory[graph_kind] = graph_memory(gm, graph_kind)
             if self.options.compiler == "eager":
                 return compat.boxed(gm.forward)
             # Inductor mutates the graph it compiles; observers already hold their copies.
