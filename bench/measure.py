@@ -94,36 +94,42 @@ def _message_bytes(kind: str, shapes: list, world_size: int) -> int:
 
 
 def analyze(prof: profile, world_size: int) -> StepProfile:
-    """Collectives and peak memory of the `measured_step` in a finished `memory_profile`."""
+    """Collectives and peak memory of the `measured_step` region in a finished
+    `memory_profile`, per step: the region may hold several steps (counted by their forward
+    phases), whose collectives, bytes and phase times are averaged."""
     # kineto_results is the one place the raw event stream is exposed.
     events = sorted(prof.profiler.kineto_results.events(), key=lambda e: e.start_ns())
     marks = [e for e in events if e.name() == STEP_MARK]
     if len(marks) != 1:
         raise RuntimeError(f"expected one {STEP_MARK!r} region in the profile, found {len(marks)}")
     start, end = marks[0].start_ns(), marks[0].end_ns()
+    inside = [e for e in events if start <= e.start_ns() <= end]
+    steps = max(1, sum(e.name() == "bench::forward" for e in inside))
 
     counts: dict[str, int] = defaultdict(int)
     sizes: dict[str, int] = defaultdict(int)
-    for event in events:
+    for event in inside:
         name = event.name()
-        if name.startswith(_GLOO_PREFIX) and start <= event.start_ns() <= end:
+        if name.startswith(_GLOO_PREFIX):
             kind = name[len(_GLOO_PREFIX):]
             counts[kind] += 1
             sizes[kind] += _message_bytes(kind, event.shapes(), world_size)
-    breakdown = {name: sum(e.end_ns() - e.start_ns() for e in events if e.name() == f"bench::{name}"
-                           and start <= e.start_ns() <= end) / 1e6 for name in PHASES}
-    waits = [e for e in events if e.name() in _WAIT_EVENTS and start <= e.start_ns() <= end]
-    breakdown["wait"] = _union_ns([(e.start_ns(), e.end_ns()) for e in waits]) / 1e6
-    breakdown["step"] = (end - start) / 1e6
+    counts = {kind: count // steps for kind, count in counts.items()}
+    sizes = {kind: size // steps for kind, size in sizes.items()}
+    breakdown = {name: sum(e.end_ns() - e.start_ns() for e in inside
+                           if e.name() == f"bench::{name}") / 1e6 / steps for name in PHASES}
+    waits = [(e.start_ns(), e.end_ns()) for e in inside if e.name() in _WAIT_EVENTS]
+    breakdown["wait"] = _union_ns(waits) / 1e6 / steps
+    breakdown["step"] = (end - start) / 1e6 / steps
     allocations = cpu_allocations(prof)
     if not allocations:
-        return StepProfile(dict(counts), dict(sizes), 0, breakdown)
+        return StepProfile(counts, sizes, 0, breakdown)
     _, first_bytes, first_total = allocations[0]
     at_open = first_total - first_bytes  # live bytes when the session opened
     before = [total for t, _, total in allocations if t < start]
     during = [total for t, _, total in allocations if start <= t <= end]
     peak = max(during + before[-1:], default=at_open)  # entering the step, or inside it
-    return StepProfile(dict(counts), dict(sizes), peak - at_open, breakdown)
+    return StepProfile(counts, sizes, peak - at_open, breakdown)
 
 
 def _union_ns(intervals: list[tuple[int, int]]) -> int:

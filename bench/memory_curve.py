@@ -109,7 +109,8 @@ def main(argv: list[str] | None = None) -> int:
         memory, time_ms = m["peak_mib"], m["step_ms"]["median"]
         row = {"method": name, "step_ms": time_ms, "step_ms_min": m["step_ms"]["min"],
                "step_ms_max": m["step_ms"]["max"], "peak_mib": memory,
-               "predicted_peak_mib": m.get("predicted_peak_mib")}
+               "predicted_peak_mib": m.get("predicted_peak_mib"),
+               "breakdown_ms": m.get("breakdown_ms", {})}
         if name not in FIXED:
             row["line_ms"] = line_between(points, memory)
             row["below_line"] = time_ms < row["line_ms"]
@@ -124,6 +125,12 @@ def main(argv: list[str] | None = None) -> int:
                     for r in rows],
                    headers=["method", "step ms median [min-max]", "peak MiB", "predicted MiB",
                             "line ms at that peak", "below the line"], disable_numparse=True))
+    print()
+    print(tabulate([[r["method"], *(f"{r['breakdown_ms'].get(k, 0):.1f}" for k in
+                                    ("step", "forward", "backward", "optimizer", "wait"))]
+                    for r in rows],
+                   headers=["method (profiled steps)", "step ms", "forward", "backward", "optimizer",
+                            "of which in wait_tensor"], disable_numparse=True))
     title = (f"{args.model}, world size {args.nproc}, global batch {args.batch}, seq {args.seq}")
     print(plot(rows, title, args.plot))
     with open(args.json, "w") as f:
