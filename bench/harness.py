@@ -252,7 +252,7 @@ def profile_phase(cfg: BenchConfig, workload: Workload, mesh: DeviceMesh, inputs
                 result.predicted_peak_bytes[name] = compiler.predicted_peak_bytes
             del step
             gc.collect()
-            result.profile[name] = asdict(analyze(prof, dist.get_world_size()))
+            result.profile[name] = asdict(analyze(prof, dist.get_world_size(), PROFILED_STEPS))
             result.status[name] = OK
         except MethodUnavailable as exc:
             result.status[name] = f"unavailable: {exc}"

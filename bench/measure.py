@@ -1,4 +1,4 @@
-"""Measuring one training step with torch.profiler: collectives, bytes, peak memory.
+"""Measuring training steps with torch.profiler: collectives, bytes, peak memory, phases.
 
 Why the profiler: it sees both eager and compiled methods the same way. Every collective,
 whichever layer issued it (DDP's reducer, FSDP2, DTensor, functional collectives in an Inductor
@@ -34,17 +34,16 @@ from graphshard._torch_compat import cpu_allocations
 
 STEP_MARK = "bench::measured_step"
 PHASES = ("forward", "backward", "optimizer")  # of a step, marked by `phase`
-# Where the main thread blocks on communication: a functional collective's wait (compiled
-# methods), a c10d Work's wait (FSDP2, DDP's reducer at the end of backward).
-_WAIT_EVENTS = ("_c10d_functional::wait_tensor", "c10d::wait", "aten::wait")
+# Where a compiled graph blocks on a collective (eager methods wait inside c10d: not seen).
+_WAIT_EVENT = "_c10d_functional::wait_tensor"
 _GLOO_PREFIX = "gloo:"
 _FLOAT32_BYTES = 4
 
 
 @dataclass
 class StepProfile:
-    collectives: dict[str, int] = field(default_factory=dict)  # kind -> count in the step
-    comm_bytes: dict[str, int] = field(default_factory=dict)  # kind -> bytes in the step
+    collectives: dict[str, int] = field(default_factory=dict)  # kind -> count per step
+    comm_bytes: dict[str, int] = field(default_factory=dict)  # kind -> bytes per step
     peak_bytes: int = 0  # peak of this method's live CPU tensor bytes during the step
     # Where the measured step's time goes (main thread, ms): each phase, and the time spent
     # blocked on communication ("wait") inside the step.
@@ -93,10 +92,10 @@ def _message_bytes(kind: str, shapes: list, world_size: int) -> int:
     return numel * factor * _FLOAT32_BYTES
 
 
-def analyze(prof: profile, world_size: int) -> StepProfile:
+def analyze(prof: profile, world_size: int, steps: int = 1) -> StepProfile:
     """Collectives and peak memory of the `measured_step` region in a finished
-    `memory_profile`, per step: the region may hold several steps (counted by their forward
-    phases), whose collectives, bytes and phase times are averaged."""
+    `memory_profile`, which holds `steps` training steps: collectives, bytes and phase times
+    are per step (their average), the peak is the region's."""
     # kineto_results is the one place the raw event stream is exposed.
     events = sorted(prof.profiler.kineto_results.events(), key=lambda e: e.start_ns())
     marks = [e for e in events if e.name() == STEP_MARK]
@@ -104,7 +103,6 @@ def analyze(prof: profile, world_size: int) -> StepProfile:
         raise RuntimeError(f"expected one {STEP_MARK!r} region in the profile, found {len(marks)}")
     start, end = marks[0].start_ns(), marks[0].end_ns()
     inside = [e for e in events if start <= e.start_ns() <= end]
-    steps = max(1, sum(e.name() == "bench::forward" for e in inside))
 
     counts: dict[str, int] = defaultdict(int)
     sizes: dict[str, int] = defaultdict(int)
@@ -114,11 +112,11 @@ def analyze(prof: profile, world_size: int) -> StepProfile:
             kind = name[len(_GLOO_PREFIX):]
             counts[kind] += 1
             sizes[kind] += _message_bytes(kind, event.shapes(), world_size)
-    counts = {kind: count // steps for kind, count in counts.items()}
-    sizes = {kind: size // steps for kind, size in sizes.items()}
+    counts = {kind: round(count / steps) for kind, count in counts.items()}
+    sizes = {kind: round(size / steps) for kind, size in sizes.items()}
     breakdown = {name: sum(e.end_ns() - e.start_ns() for e in inside
                            if e.name() == f"bench::{name}") / 1e6 / steps for name in PHASES}
-    waits = [(e.start_ns(), e.end_ns()) for e in inside if e.name() in _WAIT_EVENTS]
+    waits = [(e.start_ns(), e.end_ns()) for e in inside if e.name() == _WAIT_EVENT]
     breakdown["wait"] = _union_ns(waits) / 1e6 / steps
     breakdown["step"] = (end - start) / 1e6 / steps
     allocations = cpu_allocations(prof)

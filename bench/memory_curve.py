@@ -65,7 +65,7 @@ def plot(rows: list[dict], title: str, path: str) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     from graphshard.bench.harness import BenchConfig, run
-    from graphshard.bench.report import summarize
+    from graphshard.bench.report import format_breakdown, summarize
 
     p = argparse.ArgumentParser(prog="python -m graphshard.bench.memory_curve", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -126,11 +126,7 @@ def main(argv: list[str] | None = None) -> int:
                    headers=["method", "step ms median [min-max]", "peak MiB", "predicted MiB",
                             "line ms at that peak", "below the line"], disable_numparse=True))
     print()
-    print(tabulate([[r["method"], *(f"{r['breakdown_ms'].get(k, 0):.1f}" for k in
-                                    ("step", "forward", "backward", "optimizer", "wait"))]
-                    for r in rows],
-                   headers=["method (profiled steps)", "step ms", "forward", "backward", "optimizer",
-                            "of which in wait_tensor"], disable_numparse=True))
+    print(format_breakdown({"methods": measured}))
     title = (f"{args.model}, world size {args.nproc}, global batch {args.batch}, seq {args.seq}")
     print(plot(rows, title, args.plot))
     with open(args.json, "w") as f:

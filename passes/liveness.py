@@ -145,8 +145,8 @@ class StepMemory:
 
     forward_peak_bytes: int  # forward's own peak, including the activations it saves
     backward_saved_bytes: int  # the saved activations (and incoming gradient) backward starts with
-    backward_peak_bytes: int  # backward's peak: what is left of those + what it allocates,
-    #                           the gradients it produces included
+    # backward's peak: what is left of those plus what it allocates (its gradients included)
+    backward_peak_bytes: int
     peak_graph: str  # "forward" or "backward"
     peak_node: str | None
 

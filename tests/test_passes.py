@@ -394,3 +394,21 @@ def test_a_stage_run_out_of_order_fails_loudly(monkeypatch):
                                            cluster=backend.ClusterSpec.default()))
     assert ran.meta["graphshard_stages"] == tuple(s for s in backend.STAGES
                                                    if s not in ("merged", "tagged"))
+
+
+def test_a_pipeline_stopped_after_a_stage_resumes_where_it_stopped():
+    """What the planner relies on to share the stages option sets have in common."""
+    from graphshard.compiler import backend
+
+    ctx = PassContext("forward", GraphshardOptions(), cluster=backend.ClusterSpec.default())
+    graph = gather_graph(8, [("layers.0.w", (16, 4), torch.float32)])
+    lowered = backend.run_pipeline(graph, ctx, stop_after="lowered")
+    assert lowered.meta["graphshard_stages"] == ("partitioned", "lowered")
+    bucketed = backend.run_pipeline(lowered, ctx, stop_after="bucketed", resume=True)
+    assert bucketed.meta["graphshard_stages"] == ("partitioned", "lowered", "bucketed")
+    assert backend.run_pipeline(bucketed, ctx, stop_after="lowered", resume=True) is bucketed
+    done = backend.run_pipeline(bucketed, ctx, resume=True)
+    assert done.meta["graphshard_stages"] == tuple(s for s in backend.STAGES
+                                                   if s not in ("merged", "tagged"))
+    with pytest.raises(ValueError, match="'tagged' is not a stage of the forward graph"):
+        backend.run_pipeline(graph, ctx, stop_after="tagged")

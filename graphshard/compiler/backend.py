@@ -186,11 +186,15 @@ def run_pipeline(gm: fx.GraphModule, ctx: PassContext, observer: StageObserver |
     sets that differ only in later stages share the earlier ones, as in the planner). A
     disabled stage leaves the graph unchanged but still counts as run (its successors'
     requirements hold)."""
-    for stage in PIPELINE:
-        if stage.graphs != _FAMILY[ctx.graph_kind]:
-            continue
+    family = [stage for stage in PIPELINE if stage.graphs == _FAMILY[ctx.graph_kind]]
+    if stop_after is not None and stop_after not in {stage.name for stage in family}:
+        raise ValueError(f"stop_after={stop_after!r} is not a stage of the {ctx.graph_kind} graph: "
+                         f"{[stage.name for stage in family]}")
+    for stage in family:
         done = gm.meta.get("graphshard_stages", ())
         if resume and stage.name in done:
+            if stage.name == stop_after:
+                break
             continue
         missing = [name for name in stage.requires if name not in done]
         if missing:
@@ -217,7 +221,8 @@ class GraphshardCompiler:
                                    else ClusterSpec.default())
         # (param_order, via_all_to_all) of the Dynamo graph being compiled, for the split stages
         self.split_context: tuple[Mapping[str, int], frozenset[str]] = ({}, frozenset())
-        # The memory model's view of the step compiled last (`predicted_peak_bytes`).
+        # The memory model's view of the compiled step (`predicted_peak_bytes`).
+        self.training_graphs = 0  # joint graphs partitioned (one per Dynamo graph)
         self.state_bytes: int | None = None
         self.graph_memory: dict[str, MemoryEstimate] = {}
 
@@ -227,8 +232,10 @@ class GraphshardCompiler:
         (the number `graphshard dump` shows and reshard_after_forward="auto" keeps within the
         budget): model state plus the larger of the forward's and the backward's own peak.
         None until both of its graphs are compiled (the backward compiles at the first
-        backward)."""
-        if self.state_bytes is None or not {"forward", "backward"} <= self.graph_memory.keys():
+        backward), and None for a model Dynamo split into several graphs (each graph's memory
+        is modelled on its own; their sum over a step is not)."""
+        if (self.training_graphs != 1 or self.state_bytes is None
+                or not {"forward", "backward"} <= self.graph_memory.keys()):
             return None
         return self.state_bytes + max(self.graph_memory[kind].peak_transient_bytes
                                       for kind in ("forward", "backward"))
@@ -264,6 +271,7 @@ class GraphshardCompiler:
         if self.options.reshard_after_forward == "auto":
             ctx = replace(ctx, keep_gathered=self._choose_kept_units(joint, joint_inputs, kwargs))
         joint = run_pipeline(joint, ctx, self.observer)
+        self.training_graphs += 1
         self.state_bytes, self.graph_memory = model_state_bytes(joint), {}
         return compat.inductor_partition(joint, joint_inputs, **kwargs)
 

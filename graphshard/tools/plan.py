@@ -20,9 +20,9 @@ Each configuration's step is predicted by the cost model (graphshard.compiler.co
 compute with per-kernel overhead, alpha-beta collectives on the intra- or inter-node link each
 process group spans, the optimizer step as a memory-bound pass over the shards) simulated on the
 compiled forward and backward graphs, and its peak memory by the liveness model dump reports.
-A model with more than two repeated blocks whose factory takes `n_layers` is captured with 1 and
-2 blocks and extrapolated linearly to its depth (blocks repeat: so do their costs); others are
-captured whole.
+A model with more than five repeated blocks whose factory takes `n_layers` is captured with 4
+and 5 blocks and extrapolated linearly to its depth (blocks repeat: so do their costs; see
+`depth_probes` for why not fewer); others are captured whole.
 
 Output: a ranked table (fitting configurations first, fastest first), the best configuration as
 JSON (`--out`): {"shard": keyword arguments for graphshard.shard plus "mesh_shape", "options":
@@ -92,7 +92,6 @@ class Probe:
     # StepMemory's parts, extrapolated each on its own: the peak is their max, which need not
     # be linear in depth (it may move from the forward to the backward)
     forward_peak_bytes: float
-    backward_saved_bytes: float
     backward_peak_bytes: float
     state_bytes: float  # parameter shards, AdamW state, the batch
     gradient_bytes: float  # held between micro-batches under accumulation
@@ -237,7 +236,8 @@ def _probes(compiler, joint, joint_inputs, kwargs, knobs: Sequence[Knobs], clust
     compiler.split_context = (compiler.split_context[0], transport)
     links = _group_links(joint, cluster, devices)
     # Option sets share the stages before the first one they differ in: one partition and
-    # lowering per reshard decision, one bucketing per bucket size, then the schedule.
+    # lowering per reshard decision, one bucketing per (reshard decision, bucket size), then
+    # the schedule.
     bucket_uses = collections.Counter((k.keep, k.bucket_mb) for k in knobs)
     uses = bucket_uses + collections.Counter(keep for keep, _ in bucket_uses)
     shared: dict = {}
@@ -267,7 +267,6 @@ def _probes(compiler, joint, joint_inputs, kwargs, knobs: Sequence[Knobs], clust
             exposed_comm_s=sum(e.exposed_comm_s for e in estimates.values()),
             comm_bytes=_wire_bytes(estimates),
             forward_peak_bytes=memory.forward_peak_bytes,
-            backward_saved_bytes=memory.backward_saved_bytes,
             backward_peak_bytes=memory.backward_peak_bytes,
             state_bytes=state,
             gradient_bytes=gradients,

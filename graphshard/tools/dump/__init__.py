@@ -42,12 +42,13 @@ Output: the graphs of the stage(s) asked for with `--stage`, as code; a table of
 collective, communication bytes per step beside the theory for the strategy (as formulas in N
 and as numbers), and the cost model's estimates (`graphshard.compiler.cost_model`: alpha-beta
 collectives, roofline compute, a two-lane simulation of each graph in node order) of per-rank
-memory, step time and exposed communication. Memory: a graph's "own peak" is the most it
-allocates at one time beyond its inputs (for the forward, including the activations it saves);
-the backward also holds those saved activations, as inputs: its working set is saved activations
-+ its own peak. The per-rank peak is model state + inputs + the larger working set.
+memory, step time and exposed communication. Memory: a graph's "own peak" is the most it holds
+at one time beyond the model state and the batch (the forward's includes the activations it
+saves; the backward starts with those, frees each after its last use, and produces the
+gradients). The per-rank peak is model state (parameter shards, AdamW state) + inputs + the
+larger own peak.
 
-`--json FILE` writes the report (schema version 1): `report.DumpReport`, whose field comments
+`--json FILE` writes the report (schema version 2): `report.DumpReport`, whose field comments
 are the schema. `--trace FILE` writes a Chrome trace (chrome://tracing, https://ui.perfetto.dev)
 of the simulated step: thread 0 is compute (one event per node, and "wait" events where compute
 is blocked on a collective), thread 1 is communication (one event per collective); backward

@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Any, Sequence
 if TYPE_CHECKING:
     from graphshard.compiler.cost_model import ClusterSpec
 
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2  # 2: memory as forward/backward own peaks, gradients out of model state
 
 KINDS = ("all_gather", "reduce_scatter", "all_reduce")  # collective ops, in report order
 
@@ -110,9 +110,9 @@ class MemorySummary:
     forward_peak_bytes: int  # the forward's own peak (as GraphSummary.peak_transient_bytes)
     backward_saved_bytes: int  # what the backward starts with: saved activations, incoming grad
     backward_peak_bytes: int  # the backward's own peak
-    peak_graph: str  # "forward" | "backward": whose working set is the larger
+    peak_graph: str  # "forward" | "backward": whose own peak is the larger
     peak_node: str | None  # where that graph peaks
-    peak_bytes: int  # model state + inputs + the larger working set
+    peak_bytes: int  # model state + inputs + the larger own peak
 
 
 @dataclass
