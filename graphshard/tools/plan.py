@@ -36,7 +36,6 @@ extrapolated). Bad input exits with status 2 and one line on stderr.
 from __future__ import annotations
 
 import argparse
-import collections
 import contextlib
 import dataclasses
 import functools
@@ -216,8 +215,6 @@ def _probes(compiler, joint, joint_inputs, kwargs, knobs: Sequence[Knobs], clust
             devices: int) -> dict[Knobs, Probe]:
     """Evaluate every knob set on one joint graph: its partition and split stages (sharing
     the stages knob sets have in common), then the estimate."""
-    import copy
-
     from graphshard.compiler.backend import gradient_bytes, model_state_bytes, trainable_reads
     from graphshard.compiler.options import GraphshardOptions
     from graphshard.compiler.simulator import graph_estimate
@@ -235,34 +232,13 @@ def _probes(compiler, joint, joint_inputs, kwargs, knobs: Sequence[Knobs], clust
     transport = GraphshardOptions().via_all_to_all(on_gloo=cluster.collective_backend == "gloo")
     compiler.split_context = (compiler.split_context[0], transport)
     links = _group_links(joint, cluster, devices)
-    # Option sets share the stages before the first one they differ in: one partition and
-    # lowering per reshard decision, one bucketing per (reshard decision, bucket size), then
-    # the schedule.
-    bucket_uses = collections.Counter((k.keep, k.bucket_mb) for k in knobs)
-    uses = bucket_uses + collections.Counter(keep for keep, _ in bucket_uses)
-    shared: dict = {}
 
-    def take(key):
-        """A shared stage's graphs: a copy, or the graphs themselves for their last user."""
-        uses[key] -= 1
-        return shared.pop(key) if uses[key] == 0 else copy.deepcopy(shared[key])
-
-    probes = {}
-    for knob in knobs:
-        variant = compiler.with_options(options(knob))
-        if knob.keep not in shared and (knob.keep, knob.bucket_mb) not in shared:
-            shared[knob.keep] = variant.run_split_stages(
-                *variant.partition(joint, joint_inputs, **kwargs), stop_after="lowered")
-        if (knob.keep, knob.bucket_mb) not in shared:
-            shared[knob.keep, knob.bucket_mb] = variant.run_split_stages(
-                *take(knob.keep), stop_after="bucketed", resume=True)
-        forward, backward = variant.run_split_stages(*take((knob.keep, knob.bucket_mb)),
-                                                     resume=True)
+    def probe(forward, backward) -> Probe:
         estimates = {kind: graph_estimate(gm, cluster, group_specs=links, graph_kind=kind)
                      for kind, gm in (("forward", forward), ("backward", backward))}
         memory = step_memory(forward, backward, estimates["forward"].memory,
                              estimates["backward"].memory)
-        probes[knob] = Probe(
+        return Probe(
             step_s=sum(e.total_s for e in estimates.values()),
             exposed_comm_s=sum(e.exposed_comm_s for e in estimates.values()),
             comm_bytes=_wire_bytes(estimates),
@@ -273,7 +249,35 @@ def _probes(compiler, joint, joint_inputs, kwargs, knobs: Sequence[Knobs], clust
             trainable_params=sum(full for full, _ in trainable),
             trainable_shard_elements=sum(local for _, local in trainable),
             estimates=estimates)
+
+    # Option sets share the stages before the first one they differ in: one partition and
+    # lowering per reshard decision, one bucketing per bucket size under it, then the
+    # schedule per option set.
+    by_keep: dict[str, dict[float, list[Knobs]]] = {}
+    for knob in knobs:
+        by_keep.setdefault(knob.keep, {}).setdefault(knob.bucket_mb, []).append(knob)
+    probes = {}
+    for by_bucket in by_keep.values():
+        lowerer = compiler.with_options(options(next(iter(by_bucket.values()))[0]))
+        lowered = lowerer.run_split_stages(*lowerer.partition(joint, joint_inputs, **kwargs),
+                                           stop_after="lowered")
+        for group, graphs in zip(by_bucket.values(), _copies(lowered, len(by_bucket))):
+            bucketed = compiler.with_options(options(group[0])).run_split_stages(
+                *graphs, stop_after="bucketed", resume=True)
+            for knob, graphs in zip(group, _copies(bucketed, len(group))):
+                probes[knob] = probe(*compiler.with_options(options(knob)).run_split_stages(
+                    *graphs, resume=True))
     return probes
+
+
+def _copies(graphs, users: int):
+    """`graphs` for each of `users` (the passes change what they run on): copies, and the
+    graphs themselves for the last user."""
+    import copy
+
+    for _ in range(users - 1):
+        yield copy.deepcopy(graphs)
+    yield graphs
 
 
 def _wire_bytes(estimates) -> float:
