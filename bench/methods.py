@@ -106,8 +106,9 @@ def _graphshard_compiled(options: dict | None, shard_kwargs: dict | None = None,
         from graphshard.compiler.backend import GraphshardCompiler
         from graphshard.compiler.options import GraphshardOptions
 
-        # The backend object itself, not its name: the bench reads its predicted peak.
-        compiler = GraphshardCompiler(GraphshardOptions.from_dict(options))
+        # The backend object itself, not its name: the bench reads its predicted peak, which
+        # a compile served from AOTAutograd's cache would not compute.
+        compiler = GraphshardCompiler(GraphshardOptions.from_dict(options), aot_cache=False)
         compiled = torch.compile(sharded, backend=compiler)
         compiled.graphshard_compiler = compiler
         return compiled

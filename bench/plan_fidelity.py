@@ -102,22 +102,15 @@ def measure(cases: list[Case], steps: int, repeats: int, warmup: int) -> dict[Ca
     return measured
 
 
-def per_rank_share(cluster, world: int):
-    """The cluster file describes one rank with its share of the cores (calibrate's world size,
-    a core each here); with more ranks than cores, each computes on cores/world of one."""
-    import dataclasses
-    import os
-
-    cores = os.cpu_count() or 1
-    if world <= cores:
-        return cluster
-    share = cores / world
-    low = cluster.low_precision_flops_per_s
-    return dataclasses.replace(
-        cluster, flops_per_s=cluster.flops_per_s * share,
-        low_precision_flops_per_s=None if low is None else low * share,
-        memory_bandwidth_Bps=cluster.memory_bandwidth_Bps * share,
-        step_overhead_s=cluster.step_overhead_s / share)
+def measured_before(cases: list[Case], path: str) -> dict[Case, dict]:
+    """The measurements of an earlier run's JSON, by configuration."""
+    with open(path) as f:
+        rows = {row["config"]: row for row in json.load(f)["rows"]}
+    missing = [case.label for case in cases if case.label not in rows]
+    if missing:
+        raise SystemExit(f"{path} has no measurement of {missing}: run without --measured")
+    return {case: {"step_s": rows[case.label]["measured_ms"] / 1e3,
+                   "peak_bytes": rows[case.label]["measured_mib"] * 2**20} for case in cases}
 
 
 def predict_all(cases: list[Case], cluster) -> dict[Case, dict]:
@@ -125,9 +118,8 @@ def predict_all(cases: list[Case], cluster) -> dict[Case, dict]:
 
     predicted = {}
     for case in cases:
-        cluster_here = per_rank_share(cluster, case.world)
         layout = Layout(case.strategy, case.world, case.ac, case.param_dtype, case.batch // case.world)
-        config = predict(case.model, case.world, cluster_here, case.batch, SEQ, layout,
+        config = predict(case.model, case.world, cluster, case.batch, SEQ, layout,
                          Knobs(case.keep, case.prefetch, case.bucket_mb), case.model_args)
         predicted[case] = {"step_s": config.step_s, "peak_bytes": config.peak_memory_bytes}
     return predicted
@@ -144,10 +136,14 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--json", help="write the table here")
+    p.add_argument("--measured", metavar="JSON",
+                   help="take the measurements from this earlier --json output instead of running "
+                        "the bench (to re-predict after a change to the cost model)")
     args = p.parse_args(argv)
     cluster = resolve_cluster(args.cluster)
     predicted = predict_all(CASES, cluster)
-    measured = measure(CASES, args.steps, args.repeats, args.warmup)
+    measured = (measure(CASES, args.steps, args.repeats, args.warmup) if args.measured is None
+                else measured_before(CASES, args.measured))
     rows = []
     for case in CASES:
         pred, meas = predicted[case], measured[case]

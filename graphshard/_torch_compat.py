@@ -21,6 +21,25 @@ def aot_autograd_backend(**kwargs) -> Callable:
     return aot_autograd(**kwargs)
 
 
+def cacheable_graph_compiler(compile_graph: Callable) -> Callable:
+    """Mark a forward/backward compiler that returns Inductor's compiled graph, so AOTAutograd
+    may store the result in its cache and, on a later run of the same program, skip tracing,
+    partitioning and `compile_graph` altogether. Public replacement: none (AOTAutograd's cache
+    serves torch.compile's own Inductor backend; a backend opts in with this wrapper)."""
+    from torch._functorch._aot_autograd.schemas import SerializableAOTDispatchCompiler
+    from torch._inductor.output_code import CompiledFxGraph
+
+    return SerializableAOTDispatchCompiler(CompiledFxGraph, compile_graph)
+
+
+def salt_aot_autograd_cache_key(gm: fx.GraphModule, salt: str) -> None:
+    """Make `salt` part of AOTAutograd's cache key for `gm`: its key covers the Dynamo graph,
+    the inputs and torch's configs, not what our compilers do with the graph (our options, our
+    passes' code). AOTAutograd reads the graph's backend id into the key. Public replacement:
+    none."""
+    gm._backend_id = salt
+
+
 def boxed(fn: Callable) -> Callable:
     """Wrap a graph's forward in AOTAutograd's boxed calling convention (compiler="eager").
     Public replacement: none."""

@@ -15,6 +15,7 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import FileSystemWriter
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor
 
 import graphshard
@@ -25,11 +26,11 @@ GLOBAL_BATCH, SEQ, VOCAB = 12, 8, 11  # 12 rows split evenly over 1, 2, 3 and 4 
 SAVE_STEP, LAST_STEP = 3, 6
 
 
-def make(seed: int, sharded: bool = True) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
+def make(seed: int, sharded: bool = True, **shard_kwargs) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
     torch.manual_seed(seed)
     model = Zoo(vocab=VOCAB)
     if sharded:
-        graphshard.shard(model)
+        graphshard.shard(model, **shard_kwargs)
     params = [p for p in model.parameters() if p.requires_grad]
     return model, torch.optim.AdamW(params, lr=0.02, weight_decay=0.01)
 
@@ -118,6 +119,19 @@ def resume(rank: int, world: int, root: str, compiled: bool) -> dict[str, Any]:
         model2, optimizer2 = make(seed=7)
         result["reloaded_step"] = checkpoint.load(path, model2, optimizer2).step
         result["reloaded"] = full_state(model2)
+    return result
+
+
+def resume_hybrid(rank: int, world: int, root: str) -> dict[str, Any]:
+    """Resume the world-size-4 (1-D, full_shard) checkpoint into hybrid sharding on a 2 x 2 mesh,
+    train on, and save the hybrid model (its shards replicated across the two groups)."""
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("replicate", "shard"))
+    model, optimizer = make(seed=1000 + rank, mesh=mesh, strategy="hybrid_shard")
+    info = checkpoint.load(Path(root) / "ckpt", model, optimizer)
+    result: dict[str, Any] = {"step": info.step,
+                              "losses": train(model, optimizer, SAVE_STEP, LAST_STEP),
+                              "final": full_state(model)}
+    checkpoint.save(Path(root) / "hybrid-ckpt", model, optimizer, step=LAST_STEP)
     return result
 
 

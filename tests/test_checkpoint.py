@@ -29,10 +29,19 @@ TOL = dict(atol=1e-6, rtol=0)
 
 
 @pytest.fixture(scope="module")
-def saved(tmp_path_factory):
+def world4(tmp_path_factory):
+    """The world-size-4 run: the reference (saving at SAVE_STEP), then, in the same process
+    group, its checkpoint resumed into hybrid sharding on a 2 x 2 mesh."""
     root = tmp_path_factory.mktemp("ckpt")
-    results = run_local(workers.reference, 4, str(root))
+    results = run_local(workers.run_checks, 4, [("reference", (str(root),)),
+                                                ("resume_hybrid", (str(root),))])
     return root, results
+
+
+@pytest.fixture(scope="module")
+def saved(world4):
+    root, results = world4
+    return root, [r["reference"] for r in results]
 
 
 # The large model load_pretrained's memory is measured on: 32 x Linear(1024, 1024), 128 MiB in
@@ -200,6 +209,23 @@ def test_resume_at_1_compiled(saved):
     _assert_continues([result], ref[0])
     assert result["rng"] == "saved"
     torch.testing.assert_close(result["draws"], ref[0]["draws"], atol=0, rtol=0)
+
+
+def test_hybrid_resumes_a_flat_checkpoint_and_saves_one_that_loads_unsharded(world4, ws3):
+    root, results = world4
+    ref = [r["reference"] for r in results]
+    hybrid = [r["resume_hybrid"] for r in results]
+    assert {r["step"] for r in hybrid} == {workers.SAVE_STEP}
+    _assert_continues(hybrid, ref[0])
+    # The hybrid save (each shard held by two replicas) loads into one unsharded process with
+    # its optimizer state: the next step matches world size 3's, resumed the standard way.
+    model, optimizer = workers.make(seed=9, sharded=False)
+    info = checkpoint.load(root / "hybrid-ckpt", model, optimizer)
+    assert (info.step, info.world_size) == (workers.LAST_STEP, 4)
+    _assert_state_close(workers.full_state(model), ref[0]["final"])
+    next_loss = workers.train(model, optimizer, workers.LAST_STEP, workers.LAST_STEP + 1)
+    torch.testing.assert_close(torch.tensor(next_loss),
+                               torch.tensor(ws3[0][0]["resume_plain_dcp"]["next_loss"]), **TOL)
 
 
 def test_resume_into_unsharded_model_without_process_group(saved):

@@ -1,11 +1,11 @@
-"""A second run of the same program hits Inductor's FX graph cache for graphshard's graphs.
+"""A second run of the same program is served from the compile caches.
 
 Two fresh processes, one after the other, sharing a private Inductor cache directory: the first
-compiles (misses), the second must find every graph in the cache (hits, no miss), as a job
-restart on an unchanged program does. The counters are Dynamo's (`torch._dynamo.utils.counters`).
-AOTAutograd's own cache only serves torch.compile's Inductor backend, not a custom backend that
-calls AOTAutograd itself, so it is not reachable here; the FX graph cache holds the Inductor
-compilation, which is most of the cost.
+compiles (misses), the second must find the compiled step in AOTAutograd's cache (which skips
+tracing the joint graph, partitioning it and graphshard's passes, and loads the forward and
+backward from Inductor's FX graph cache), as a job restart on an unchanged program does. The
+counters are Dynamo's (`torch._dynamo.utils.counters`). Options that change the compiled graphs
+must miss.
 """
 
 from __future__ import annotations
@@ -20,25 +20,40 @@ from tests.workers import gpt_data
 from tests.zoo import TinyGPT, zoo_loss
 
 
-def _compile_and_step(rank: int, world: int, cache_dir: str) -> dict[str, int]:
+def _compile_and_step(rank: int, world: int, cache_dir: str, options: dict | None = None) -> dict[str, int]:
     os.environ["TORCHINDUCTOR_CACHE_DIR"] = cache_dir  # read by Inductor at each compile
     import graphshard
     from torch._dynamo.utils import counters
 
     torch.manual_seed(0)
     model = graphshard.shard(TinyGPT("none"))
-    compiled = torch.compile(model, backend="graphshard", fullgraph=True)
+    compiled = torch.compile(model, backend="graphshard", fullgraph=True, options=options)
     (tokens,) = gpt_data(0, batch=4)
-    zoo_loss(compiled(tokens), tokens).backward()
-    return {key: counters["inductor"][key] for key in ("fxgraph_cache_hit", "fxgraph_cache_miss")}
+    loss = zoo_loss(compiled(tokens), tokens)
+    loss.backward()
+    grads = torch.stack([p.grad.to_local().square().sum() for p in model.parameters()
+                         if p.grad is not None])
+    return {"loss": loss.item(), "grads": grads} | {key: counters[kind][key] for kind, key in (
+        ("inductor", "fxgraph_cache_hit"), ("inductor", "fxgraph_cache_miss"),
+        ("aot_autograd", "autograd_cache_hit"), ("aot_autograd", "autograd_cache_miss"),
+        ("aot_autograd", "autograd_cache_bypass"))}
 
 
-def test_second_run_hits_the_fx_graph_cache(tmp_path):
+def test_second_run_is_served_from_the_compile_caches(tmp_path):
     cache = str(tmp_path / "inductor")
-    # One rank is enough: the cache key is per graph, and every rank compiles the same graphs.
-    first = run_local(_compile_and_step, 1, cache)
-    second = run_local(_compile_and_step, 1, cache)
-    for rank in range(1):
-        assert first[rank]["fxgraph_cache_miss"] >= 2, first  # forward and backward compiled
-        assert second[rank] == {"fxgraph_cache_hit": first[rank]["fxgraph_cache_miss"],
-                                "fxgraph_cache_miss": 0}, (first, second)
+    # Two ranks with shards of different sizes (TinyGPT's rows are odd): each rank's entry is
+    # its own, and the cached step computes what the compiled one did.
+    firsts = run_local(_compile_and_step, 2, cache)
+    seconds = run_local(_compile_and_step, 2, cache)
+    for first, second in zip(firsts, seconds):
+        assert first["fxgraph_cache_miss"] >= 2, first  # forward and backward compiled
+        assert (first["autograd_cache_miss"], first["autograd_cache_bypass"]) == (1, 0), first
+        # The whole step from AOTAutograd's cache; its forward and backward from the FX graph cache.
+        assert (second["autograd_cache_hit"], second["autograd_cache_miss"]) == (1, 0), second
+        assert second["fxgraph_cache_miss"] == 0, second
+        assert second["loss"] == first["loss"]
+        torch.testing.assert_close(second["grads"], first["grads"], atol=0, rtol=0)
+    assert not torch.equal(firsts[0]["grads"], firsts[1]["grads"])  # the ranks' shards differ
+    # Other options schedule other graphs: AOTAutograd's key must tell them apart.
+    [other] = run_local(_compile_and_step, 1, cache, {"prefetch": 0})
+    assert (other["autograd_cache_hit"], other["autograd_cache_miss"]) == (0, 1), other

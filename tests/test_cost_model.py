@@ -388,7 +388,10 @@ def test_calibrate_two_gloo_processes(tmp_path):
                  "device_memory_bytes"):
         assert getattr(spec, name) > 0, name
     # two ranks on two cores: compute fills them, gloo's threads cannot run beside it
-    assert spec.comm_overlaps_compute == ((__import__("os").cpu_count() or 1) > 2)
+    cores = __import__("os").cpu_count() or 1
+    assert spec.comm_overlaps_compute == (cores > 2)
+    # each of the two ranks computes on cores // 2 threads: cores // (cores // 2) at full speed
+    assert spec.compute_slots_per_node == cores // max(1, cores // 2)
     spec.to_json(tmp_path / "spec.json")
     assert ClusterSpec.from_json(tmp_path / "spec.json") == spec
 

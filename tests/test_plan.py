@@ -95,6 +95,25 @@ def test_collectives_pay_the_link_their_group_spans():
     assert slowdown["full_shard"] > 2 * slowdown["hybrid_shard"] > 0, (steps, slowdown)
 
 
+def test_ranks_beyond_a_nodes_compute_slots_share_it():
+    """3 ranks on a 2-core machine compute at 2/3 speed each; 2 ranks, or GPUs, at full speed."""
+    cpu = dataclasses.replace(PRESETS["a100"], compute_slots_per_node=2, devices_per_node=None)
+    assert cpu.shared_by(2) is cpu and PRESETS["a100"].shared_by(8) is PRESETS["a100"]
+    shared = cpu.shared_by(3)
+    assert shared.flops_per_s == pytest.approx(cpu.flops_per_s * 2 / 3)
+    assert shared.low_precision_flops_per_s == pytest.approx(cpu.low_precision_flops_per_s * 2 / 3)
+    assert shared.kernel_overhead_s == pytest.approx(cpu.kernel_overhead_s * 1.5)
+    # gloo's transfers within the node are copies on the same cores
+    assert shared.bandwidth_Bps == pytest.approx(cpu.bandwidth_Bps * 2 / 3)
+    assert shared.latency_s == pytest.approx(cpu.latency_s * 1.5)
+    knobs = planner.Knobs("last", 1, 64.0)
+    layout = planner.Layout("full_shard", 3, "none", "float32", 1)
+    steps = {name: planner.predict("transformer", 3, spec, 3, 32, layout, knobs,
+                                   model_args={"dim": 64, "vocab_size": 256}).step_s
+             for name, spec in (("own device", PRESETS["a100"]), ("sharing", cpu))}
+    assert steps["sharing"] > 1.2 * steps["own device"], steps
+
+
 def test_depth_extrapolation_matches_a_whole_capture():
     """8 blocks predicted from 4- and 5-block captures vs the 8-block model captured whole."""
     knobs = (planner.Knobs("last", 1, 64.0), planner.Knobs("all", 1, 64.0))

@@ -12,10 +12,13 @@ that must have run on the same graph before it: running one out of order fails l
 
 from __future__ import annotations
 
+import functools
+import hashlib
 import inspect
 import math
 import warnings
 from dataclasses import dataclass, replace
+from pathlib import Path
 from typing import Any, Callable, Mapping, Sequence
 
 import torch
@@ -23,6 +26,8 @@ import torch.distributed as dist
 import torch.fx as fx
 from torch.distributed.tensor import DTensor
 
+import graphshard as graphshard_package
+import graphshard.passes as passes_package
 from graphshard import _torch_compat as compat
 from graphshard.compiler import ops  # noqa: F401  (registers torch.ops.graphshard.*)
 from graphshard.compiler.cost_model import (ClusterSpec, collective_node_cost, collective_time,
@@ -162,6 +167,18 @@ def _all_nodes(gm: fx.GraphModule):
             yield from module.graph.nodes
 
 
+@functools.cache
+def _source_digest() -> str:
+    """Digest of graphshard's Python sources (the package and its passes): a changed pass must
+    not be served a graph compiled by the old one from AOTAutograd's cache."""
+    digest = hashlib.sha256()
+    for package in (graphshard_package, passes_package):
+        root = Path(package.__file__).parent
+        for path in sorted(root.rglob("*.py")):
+            digest.update(str(path.relative_to(root)).encode() + path.read_bytes())
+    return digest.hexdigest()
+
+
 def has_markers(gm: fx.GraphModule) -> bool:
     return any(is_unshard(node) or is_reduce_grad(node) for node in _all_nodes(gm))
 
@@ -214,9 +231,10 @@ class GraphshardCompiler:
     """A Dynamo backend; `observer` sees every stage's graph (used by `graphshard dump`)."""
 
     def __init__(self, options: GraphshardOptions, observer: StageObserver | None = None,
-                 cluster: ClusterSpec | None = None):
+                 cluster: ClusterSpec | None = None, *, aot_cache: bool = True):
         self.options = options
         self.observer = observer
+        self.aot_cache = aot_cache  # see _reuses_cache
         self.cluster = cluster or (ClusterSpec.from_json(options.cluster) if options.cluster
                                    else ClusterSpec.default())
         # (param_order, via_all_to_all) of the Dynamo graph being compiled, for the split stages
@@ -232,7 +250,7 @@ class GraphshardCompiler:
         (the number `graphshard dump` shows and reshard_after_forward="auto" keeps within the
         budget): model state plus the larger of the forward's and the backward's own peak.
         None until both of its graphs are compiled (the backward compiles at the first
-        backward), and None for a model Dynamo split into several graphs (each graph's memory
+        backward), for a compile served from AOTAutograd's cache (pass aot_cache=False), and None for a model Dynamo split into several graphs (each graph's memory
         is modelled on its own; their sum over a step is not)."""
         if (self.training_graphs != 1 or self.state_bytes is None
                 or not {"forward", "backward"} <= self.graph_memory.keys()):
@@ -313,6 +331,22 @@ class GraphshardCompiler:
                 misses = probe
         return keep_set(ranked[:agree_on_minimum(fits)])
 
+    def _reuses_cache(self) -> bool:
+        """Whether AOTAutograd may serve this compile from its cache (a job restarting on
+        unchanged code skips tracing, partitioning and our passes, as plain torch.compile does).
+        Not where the graphs themselves are wanted: by an observer (`graphshard dump`) or for
+        `predicted_peak_bytes` (the bench: aot_cache=False); not for "eager", which produces
+        nothing Inductor can store; not for "auto", which agrees on its choice with the other ranks during
+        the compile (a rank served from the cache would never join that collective)."""
+        return (self.aot_cache and self.observer is None and self.options.compiler == "inductor"
+                and self.options.reshard_after_forward != "auto")
+
+    def _cache_salt(self) -> str:
+        """What the compiled graphs depend on beyond the Dynamo graph: our options, the cluster
+        the cost model schedules for, and graphshard's code."""
+        return "graphshard-" + hashlib.sha256(
+            repr((self.options, self.cluster, _source_digest())).encode()).hexdigest()[:32]
+
     def _graph_compiler(self, graph_kind: str, param_order: Mapping[str, int],
                         via_all_to_all: frozenset[str]):
         def compile_graph(gm: fx.GraphModule, example_inputs: Sequence[Any]):
@@ -337,10 +371,15 @@ class GraphshardCompiler:
         param_order = _param_order(gm)
         via_all_to_all = self.options.via_all_to_all(on_gloo=_uses_gloo(gm))
         self.split_context = (param_order, via_all_to_all)
+        compilers = {kind: self._graph_compiler(kind, param_order, via_all_to_all)
+                     for kind in ("forward", "backward", "inference")}
+        if self._reuses_cache():
+            compilers = {kind: compat.cacheable_graph_compiler(fn) for kind, fn in compilers.items()}
+            compat.salt_aot_autograd_cache_key(gm, self._cache_salt())
         backend = compat.aot_autograd_backend(
-            fw_compiler=self._graph_compiler("forward", param_order, via_all_to_all),
-            bw_compiler=self._graph_compiler("backward", param_order, via_all_to_all),
-            inference_compiler=self._graph_compiler("inference", param_order, via_all_to_all),
+            fw_compiler=compilers["forward"],
+            bw_compiler=compilers["backward"],
+            inference_compiler=compilers["inference"],
             partition_fn=self.partition,
             decompositions=compat.inductor_decompositions(),
             keep_inference_input_mutations=True,

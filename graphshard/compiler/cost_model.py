@@ -67,6 +67,10 @@ class ClusterSpec:
     # The process group backend: on "gloo" graphshard runs all-gather and reduce-scatter as
     # all-to-all (GraphshardOptions.via_all_to_all), whose buffers the planner then counts.
     collective_backend: str = "nccl"
+    # How many ranks of one node compute at full speed at once: None where each rank has a device
+    # of its own (GPUs); on a CPU, its cores / the threads each rank uses. More ranks than that
+    # share the compute (`shared_by`).
+    compute_slots_per_node: int | None = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.comm_overlaps_compute, bool):
@@ -94,6 +98,25 @@ class ClusterSpec:
             return self
         latency = self.latency_s if self.inter_node_latency_s is None else self.inter_node_latency_s
         return dataclasses.replace(self, latency_s=latency, bandwidth_Bps=self.inter_node_bandwidth_Bps)
+
+    def shared_by(self, ranks_per_node: int) -> "ClusterSpec":
+        """This spec as each of `ranks_per_node` ranks on one node sees it: where they outnumber
+        the node's compute slots (CPU cores), they take turns on them, so everything a rank
+        does there runs proportionally slower (3 ranks on 2 cores: 1.5x): compute, memory
+        traffic, host overhead, and the collectives within the node, which on a CPU are copies
+        the same cores make."""
+        slots = self.compute_slots_per_node
+        if slots is None or ranks_per_node <= slots:
+            return self
+        share = ranks_per_node / slots
+        low = self.low_precision_flops_per_s
+        return dataclasses.replace(
+            self, flops_per_s=self.flops_per_s / share,
+            low_precision_flops_per_s=None if low is None else low / share,
+            memory_bandwidth_Bps=self.memory_bandwidth_Bps / share,
+            latency_s=self.latency_s * share, bandwidth_Bps=self.bandwidth_Bps / share,
+            kernel_overhead_s=self.kernel_overhead_s * share,
+            step_overhead_s=self.step_overhead_s * share)
 
     def peak_flops(self, dtype: torch.dtype | None) -> float:
         low = dtype in (torch.bfloat16, torch.float16) and self.low_precision_flops_per_s

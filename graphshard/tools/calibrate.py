@@ -117,8 +117,10 @@ def calibrate(world_size: int = 2, sizes: Iterable[int] = (), repeats: int = 10,
     memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / world_size
     # Compute as one rank sees it: the bench and `graphshard train` give each local rank its
     # share of the cores.
+    cores = os.cpu_count() or 1
+    rank_threads = max(1, cores // world_size)
     threads = torch.get_num_threads()
-    torch.set_num_threads(max(1, (os.cpu_count() or 1) // world_size))
+    torch.set_num_threads(rank_threads)
     try:
         compute = measure_compute(repeats)
     finally:
@@ -126,8 +128,9 @@ def calibrate(world_size: int = 2, sizes: Iterable[int] = (), repeats: int = 10,
     # Ranks fill the cores with compute, so gloo's threads take turns with it: no overlap.
     return ClusterSpec(latency_s=alpha, bandwidth_Bps=bandwidth, device_memory_bytes=memory,
                        step_overhead_s=measure_step_overhead(world_size, repeats),
-                       comm_overlaps_compute=(os.cpu_count() or 1) > world_size,
-                       collective_backend="gloo", **compute)
+                       comm_overlaps_compute=cores > world_size,
+                       collective_backend="gloo", compute_slots_per_node=cores // rank_threads,
+                       **compute)
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -429,11 +429,18 @@ def _at_depth(captured: list[dict[Knobs, Probe]], probe_sizes: tuple, depth: int
     return captured[0][knob].combine(captured[1][knob], (depth - low) / (high - low))
 
 
+def _as_ranks_see_it(cluster, devices: int):
+    """The cluster as each rank sees it when `devices` ranks fill its nodes (ranks beyond a
+    node's compute slots share them)."""
+    return cluster.shared_by(min(devices, cluster.devices_per_node or devices))
+
+
 def predict(target: str, devices: int, cluster, global_batch: int, seq: int, layout: Layout,
             knobs: Knobs, model_args: dict | None = None) -> Config:
     """One configuration's prediction, as `plan` makes it (the fidelity bench compares it with
     a measurement)."""
     model_args = dict(model_args or {})
+    cluster = _as_ranks_see_it(cluster, devices)
     depth, probe_sizes = depth_probes(target, model_args)
     knob = dataclasses.replace(knobs, keep="last") if knobs.keep == "auto" else knobs
     captured = [capture_probes(target, layout, devices, seq, n, (knob,), cluster, model_args)
@@ -458,6 +465,7 @@ def plan(target: str, devices: int, cluster, global_batch: int, seq: int, *,
     if global_batch < 1 or global_batch % devices:
         raise PlanError(f"--global-batch {global_batch} must be a positive multiple of --devices "
                         f"{devices} (every device trains an equal share)")
+    cluster = _as_ranks_see_it(cluster, devices)
     depth, probe_sizes = depth_probes(target, model_args)
     if depth is None:
         ac_modes = ("none",)  # no repeated blocks to checkpoint
