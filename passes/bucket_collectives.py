@@ -6,9 +6,12 @@ blocks (embeddings before, norm and head after) form the leftover units. Within 
 collectives of the same kind, process group and dtype become one collective on one flat buffer,
 packed in parameter registration order (FSDP2's copy-in / copy-out layout):
 
-    all-gather:      cat(flat shards) -> all_gather -> wait -> view (N, S) -> per-param columns
-    reduce-scatter:  per-param (N, n_i) views -> cat(dim=1) -> reduce_scatter -> wait -> split
-    all-reduce:      cat(flat grads) -> all_reduce -> wait -> split
+    all-gather:      cat(flat shards) -> all_gather -> wait -> view (N, S) -> split_copy columns
+    reduce-scatter:  per-param (N, n_i) views -> cat(dim=1) -> reduce_scatter -> wait -> split_copy
+    all-reduce:      cat(flat grads) -> all_reduce -> wait -> split_copy
+
+(split_copy: graphshard/compiler/ops.py, one call per bucket that Inductor does not generate a
+kernel for.)
 
 A size cap (bucket_mb, unsharded bytes) splits large units; different dtypes never share one.
 """
@@ -16,9 +19,11 @@ A size cap (bucket_mb, unsharded bytes) splits large units; different dtypes nev
 from __future__ import annotations
 
 import math
+import operator
 from dataclasses import dataclass, field
 from typing import Mapping
 
+import torch
 import torch.fx as fx
 
 from graphshard.passes.context import PassContext
@@ -137,16 +142,12 @@ def _rewrite_all_gather(gm: fx.GraphModule, bucket: Bucket, fake_mode) -> None:
 
 
 def _copy_out(emit, buffer, dim: int, members: list[fx.Node], numels: list[int]) -> list[fx.Node]:
-    """Each member's slice of a bucket buffer (along `dim`), copied out in the member's shape."""
-    outputs, offset = [], 0
-    for member, numel in zip(members, numels):
-        piece = emit(aten.slice.Tensor, buffer, dim, offset, offset + numel)
-        out = emit(aten.reshape.default, piece, list(member.meta["val"].shape))
-        # A column slice (dim 1) is strided, so reshape already copies; a dim-0 slice is a
-        # view of the whole buffer, which must not outlive the bucket: copy it.
-        outputs.append(emit(aten.clone.default, out) if dim == 0 else out)
-        offset += numel
-    return outputs
+    """Each member's slice of a bucket buffer (along `dim`), copied out in the member's shape
+    (the copy: a column slice is strided, and a row slice must not keep the bucket alive)."""
+    pieces = emit(torch.ops.graphshard.split_copy.default, buffer, numels, dim)  # compiler/ops.py
+    return [emit(aten.view.default, emit(operator.getitem, pieces, index),
+                 list(member.meta["val"].shape))
+            for index, member in enumerate(members)]
 
 
 def _replace_members(gm: fx.GraphModule, members: list[fx.Node], outputs: list[fx.Node]) -> None:

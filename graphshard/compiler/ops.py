@@ -42,6 +42,20 @@ def _reduce_grad_fake(grad, *args):
     return grad.new_empty(shape, dtype=spec.out_dtype)
 
 
+@torch.library.custom_op("graphshard::split_copy", mutates_args=())
+def split_copy(buffer: torch.Tensor, sizes: list[int], dim: int) -> list[torch.Tensor]:
+    """Contiguous copies of `buffer`'s consecutive slices of `sizes` along `dim`: a bucket's
+    copy-out in one call. Inductor runs it as is (FSDP2's split_with_sizes_copy), where slicing
+    in the graph would make it generate and compile a kernel for every parameter: each differs
+    in its offset into the bucket, so none is shared between parameters."""
+    return [piece.contiguous() for piece in torch.split_with_sizes_copy(buffer, sizes, dim)]
+
+
+@split_copy.register_fake
+def _split_copy_fake(buffer, sizes, dim):
+    return [buffer.new_empty((*buffer.shape[:dim], size, *buffer.shape[dim + 1:])) for size in sizes]
+
+
 def call_unshard(shard: torch.Tensor, spec: UnshardSpec) -> torch.Tensor:
     return torch.ops.graphshard.unshard(shard, *spec.args_at_read())
 
