@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import operator
 from dataclasses import dataclass
-from typing import Any, Collection, Iterable
+from typing import Any, Collection, Iterable, Sequence
 
 import torch
 import torch.fx as fx
@@ -92,12 +92,21 @@ class Buffers:
 
 def memory_estimate(gm: fx.GraphModule | fx.Graph,
                     freed_inputs: Collection[str] = ()) -> MemoryEstimate:
-    """Liveness walk over buffers in node order: a buffer is freed after the last node that
-    uses anything sharing it (outputs stay to the end); a collective reads its input until its
-    wait. `freed_inputs`: placeholders the graph frees after their last use (see
-    `saved_activations`)."""
+    """Liveness walk over buffers in node order (`live_bytes`). `freed_inputs`: placeholders
+    the graph frees after their last use (see `saved_activations`)."""
     buffers = Buffers(gm, freed_inputs)
     nodes = list(_graph(gm).nodes)
+    live = live_bytes(nodes, buffers)
+    peak = max(live, default=0)
+    peak_node = nodes[live.index(peak)].name if peak > 0 else None
+    placeholder_bytes = sum(buffers.sizes[b] for b in buffers.inputs)
+    return MemoryEstimate(placeholder_bytes, peak, placeholder_bytes + peak, peak_node)
+
+
+def live_bytes(nodes: Sequence[fx.Node], buffers: Buffers) -> list[int]:
+    """Bytes allocated beyond the inputs while each of `nodes` runs, in the order given (a
+    schedule not yet applied to the graph): a buffer is freed after the last node that uses
+    anything sharing it (outputs stay to the end); a collective reads its input until its wait."""
     index = {n: i for i, n in enumerate(nodes)}
     born: dict[int, int] = {}
     last_use: dict[int, int] = {}
@@ -118,15 +127,12 @@ def memory_estimate(gm: fx.GraphModule | fx.Graph,
     born_at: dict[int, list[int]] = {}
     for b, i in born.items():
         born_at.setdefault(i, []).append(b)
-    placeholder_bytes = sum(buffers.sizes[b] for b in buffers.inputs)
-    live = peak = 0
-    peak_node = None
-    for i, node in enumerate(nodes):
+    live, timeline = 0, []
+    for i in range(len(nodes)):
         live += sum(buffers.sizes[b] for b in born_at.get(i, ()) if b not in buffers.inputs)
-        if live > peak:
-            peak, peak_node = live, node.name
+        timeline.append(live)
         live -= sum(buffers.sizes[b] for b in frees.get(i, ()) if b not in buffers.inputs)
-    return MemoryEstimate(placeholder_bytes, peak, placeholder_bytes + peak, peak_node)
+    return timeline
 
 
 def saved_activations(backward: fx.GraphModule | fx.Graph) -> set[str]:

@@ -13,10 +13,16 @@ policies only choose priorities:
   issued at one point go in the order they are needed (one comm lane serves them in turn).
 - delay reduction waits: a reduce-scatter / all-reduce is waited on just before the next one
   is issued (or at the end): at most one in flight, and its wait never blocks compute.
-The budget (`max_inflight_bytes`) bounds the bytes collectives hold in flight beyond need
-(prefetched gathers' outputs, delayed reductions' inputs), counted by the memory model that
-`graphshard dump` reports (passes/liveness.py); a prefetch or a delay that would exceed it is
-not made. Every rank must reach the same schedule, so only rank-invariant sizes decide.
+Two limits on the bytes collectives hold in flight beyond need (prefetched gathers' outputs,
+delayed reductions' inputs; twice that where an all-to-all transport holds a second buffer of
+the same size), counted by the memory model that `graphshard dump` reports
+(passes/liveness.py); a prefetch or a delay that would exceed either is not made:
+- `within_peak`: at every slot it spans, no more than the room left below the baseline's own
+  peak, so overlap never raises the graph's peak memory (the baseline's peak comes late in a
+  forward, which saves activations, and early in a backward, which frees them: prefetching
+  goes on where memory is low);
+- `max_inflight_bytes`: a flat budget.
+Every rank must reach the same schedule, so only rank-invariant sizes decide.
 """
 
 from __future__ import annotations
@@ -37,7 +43,7 @@ from graphshard.passes.graph_utils import (
     list_schedule,
     wait_of,
 )
-from graphshard.passes.liveness import Buffers
+from graphshard.passes.liveness import Buffers, live_bytes
 
 NodeSeconds = Callable[[fx.Node], float]
 
@@ -47,6 +53,9 @@ class ReorderPolicy:
     prefetch: int = 1  # max units ahead an all-gather may be issued
     # bytes held in flight beyond need: prefetched gathers' outputs, delayed reductions' inputs
     max_inflight_bytes: float = math.inf
+    within_peak: bool = False  # hold in flight only what fits below the baseline's peak
+    freed_inputs: frozenset[str] = frozenset()  # placeholders the graph frees (a backward's)
+    via_all_to_all: frozenset[str] = frozenset()  # kinds whose transport holds a second buffer
     compute_seconds: NodeSeconds | None = None  # cost model; None: always prefetch fully
     collective_seconds: NodeSeconds | None = None
 
@@ -103,21 +112,44 @@ def _pull_inputs(nodes: Sequence[fx.Node], priority: dict[fx.Node, float],
     return priority
 
 
-def _most_in_flight(intervals: list[tuple[float, float, int]], start: float, end: float) -> int:
-    """Most bytes of `intervals` ([from, to) slots, bytes) held at one time within [start, end):
-    the peak is at `start` or where an interval begins."""
-    points = [start] + [s for s, _, _ in intervals if start < s < end]
-    return max(sum(b for s, e, b in intervals if s <= point < e) for point in points)
+class InFlight:
+    """Bytes held in flight beyond need, as intervals of baseline slots, against the room each
+    slot has (`room[slot]`: the budget, or less below the baseline's peak)."""
+
+    def __init__(self, room: Sequence[float]):
+        self.room = room
+        self.intervals: list[tuple[float, float, int]] = []  # [from, to) slots, bytes
+
+    def fits(self, start: float, end: float, nbytes: int) -> bool:
+        """Whether `nbytes` more, held over [start, end), stay within every slot's room."""
+        return all(nbytes + sum(b for s, e, b in self.intervals if s <= slot < e) <= self.room[slot]
+                   for slot in range(math.ceil(start), math.ceil(end)))
+
+    def add(self, start: float, end: float, nbytes: int) -> None:
+        self.intervals.append((start, end, nbytes))
 
 
-def _prefetch_slots(baseline: Sequence[fx.Node], policy: ReorderPolicy, buffers: Buffers
-                    ) -> tuple[dict[fx.Node, float], list[tuple[float, float, int]]]:
-    """Prefetch policy: the slot each prefetched gather is issued at, and the intervals of
+def _held_in_flight(collective: fx.Node, buffers: Buffers, policy: ReorderPolicy) -> int:
+    held = buffers.held_in_flight(collective)
+    return 2 * held if collective_kind(collective) in policy.via_all_to_all else held
+
+
+def _room(baseline: Sequence[fx.Node], policy: ReorderPolicy, buffers: Buffers) -> list[float]:
+    """Per slot: the bytes that may be held in flight there."""
+    if not policy.within_peak:
+        return [policy.max_inflight_bytes] * len(baseline)
+    live = live_bytes(baseline, buffers)
+    peak = max(live, default=0)
+    return [min(policy.max_inflight_bytes, peak - used) for used in live]
+
+
+def _prefetch_slots(baseline: Sequence[fx.Node], policy: ReorderPolicy, buffers: Buffers,
+                    in_flight: InFlight) -> dict[fx.Node, float]:
+    """Prefetch policy: the slot each prefetched gather is issued at; `in_flight` records the
     extra time its output is held for."""
     issue: dict[fx.Node, float] = {}
-    intervals: list[tuple[float, float, int]] = []
     if policy.prefetch == 0 or policy.max_inflight_bytes <= 0:
-        return issue, intervals
+        return issue
     slot = {node: index for index, node in enumerate(baseline)}
     # Only compute on full (gathered) tensors counts as cover: our own prep nodes work on local
     # shards, whose sizes differ between ranks with uneven shards, and every rank must reach
@@ -127,12 +159,11 @@ def _prefetch_slots(baseline: Sequence[fx.Node], policy: ReorderPolicy, buffers:
     before = [0.0, *itertools.accumulate(seconds)]  # before[i]: compute in slots < i
     gathers = [n for n in baseline if _is_gather(n)]
     for index, gather in enumerate(gathers):
-        wait, nbytes = slot[wait_of(gather)], buffers.held_in_flight(gather)
+        wait, nbytes = slot[wait_of(gather)], _held_in_flight(gather, buffers, policy)
         # just after an earlier bucket's wait, deepest first
         anchors = [slot[wait_of(gathers[index - depth])] + 0.5
                    for depth in range(min(policy.prefetch, index), 0, -1)]
-        allowed = [a for a in anchors if a < slot[gather]
-                   and nbytes + _most_in_flight(intervals, a, wait) <= policy.max_inflight_bytes]
+        allowed = [a for a in anchors if a < slot[gather] and in_flight.fits(a, wait, nbytes)]
         if not allowed:
             continue
         chosen = allowed[0]
@@ -142,12 +173,12 @@ def _prefetch_slots(baseline: Sequence[fx.Node], policy: ReorderPolicy, buffers:
             chosen = next((a for a in reversed(allowed)
                            if before[wait] - before[math.ceil(a)] >= needed), chosen)
         issue[gather] = chosen
-        intervals.append((chosen, wait, nbytes))
-    return issue, intervals
+        in_flight.add(chosen, wait, nbytes)
+    return issue
 
 
-def _reduction_wait_slots(baseline: Sequence[fx.Node], budget: float, buffers: Buffers,
-                          prefetched: list[tuple[float, float, int]]) -> dict[fx.Node, float]:
+def _reduction_wait_slots(baseline: Sequence[fx.Node], policy: ReorderPolicy, buffers: Buffers,
+                          in_flight: InFlight) -> dict[fx.Node, float]:
     """Delay policy: the slot each delayed reduction is waited at (just before the next
     reduction, or the output), if its input fits beside the prefetched gathers meanwhile."""
     slot = {node: index for index, node in enumerate(baseline)}
@@ -155,9 +186,10 @@ def _reduction_wait_slots(baseline: Sequence[fx.Node], budget: float, buffers: B
     ends = [slot[r] for r in reductions[1:]] + [slot[baseline[-1]]]  # baseline[-1]: output
     delayed = {}
     for reduction, end in zip(reductions, ends):
-        held = buffers.held_in_flight(reduction) + _most_in_flight(prefetched, slot[reduction], end)
-        if held <= budget:
+        held = _held_in_flight(reduction, buffers, policy)
+        if in_flight.fits(slot[reduction], end, held):
             delayed[wait_of(reduction)] = end - 0.5
+            in_flight.add(slot[reduction], end, held)
     return delayed
 
 
@@ -166,9 +198,10 @@ def reorder_collectives(gm: fx.GraphModule, policy: ReorderPolicy) -> fx.GraphMo
     # Start from "issue at first use" (the partitioner may have placed a recomputed gather
     # anywhere earlier); prefetching then happens only by policy, within the budget.
     baseline = list_schedule(nodes, _sink_priorities(nodes))
-    buffers = Buffers(gm)
-    issue, prefetched = _prefetch_slots(baseline, policy, buffers)
-    delayed = _reduction_wait_slots(baseline, policy.max_inflight_bytes, buffers, prefetched)
+    buffers = Buffers(gm, policy.freed_inputs)
+    in_flight = InFlight(_room(baseline, policy, buffers))
+    issue = _prefetch_slots(baseline, policy, buffers, in_flight)
+    delayed = _reduction_wait_slots(baseline, policy, buffers, in_flight)
     priority = {node: float(index) for index, node in enumerate(baseline)}
     priority.update(issue)
     priority.update(delayed)

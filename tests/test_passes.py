@@ -17,7 +17,7 @@ from graphshard.passes.graph_utils import (
     ALL_GATHER, REDUCE_SCATTER, GraphEmitter, aten, collective_params, dim0_chunk, is_collective,
     is_wait, list_schedule, node_order, wait_of,
 )
-from graphshard.passes.liveness import memory_estimate
+from graphshard.passes.liveness import graph_memory, memory_estimate
 from graphshard.passes.lowering import lower_reduce_grad, lower_unshard
 from graphshard.passes.markers import UnshardSpec
 from graphshard.passes.reorder_collectives import ReorderPolicy, reorder_collectives
@@ -290,6 +290,22 @@ def test_predicted_peak_stays_within_baseline_plus_budget(fake_pg):
         scheduled = memory_estimate(graphs[(kind, "scheduled")]).peak_bytes
         assert scheduled <= baseline + budget_mb * MB
         assert _inflight_peak(graphs[(kind, "scheduled")]) <= budget_mb * MB
+
+
+def test_overlap_within_peak_keeps_the_baseline_peak_and_still_prefetches(fake_pg):
+    """overlap_within_peak=True overlaps only below the peak of the schedule without overlap
+    (max_inflight_mb=0: gathers at first use, reductions waited where issued); the default
+    overlaps wherever it helps and raises the backward's peak (its peak is at its start, where
+    the saved activations are all still held and a gather is prefetched)."""
+    runs = {name: capture_step(*_transformer(), options=options) for name, options in (
+        ("none", {"max_inflight_mb": 0}), ("within", {"overlap_within_peak": True}), ("any", {}))}
+    peak = {(name, kind): graph_memory(graphs[(kind, "scheduled")], kind).peak_bytes
+            for name, graphs in runs.items() for kind in ("forward", "backward")}
+    for kind in ("forward", "backward"):
+        assert peak[("within", kind)] <= peak[("none", kind)], kind
+    assert peak[("any", "backward")] > peak[("none", "backward")]
+    assert _inflight_peak(runs["within"][("forward", "scheduled")]) > 0  # still prefetches
+    assert _inflight_peak(runs["within"][("backward", "scheduled")]) > 0
 
 
 @pytest.mark.parametrize("fake_pg", [64], indirect=True)

@@ -35,7 +35,7 @@ from graphshard.compiler.cost_model import (ClusterSpec, collective_node_cost, c
 from graphshard.compiler.options import GraphshardOptions
 from graphshard.passes.context import PassContext
 from graphshard.passes.graph_utils import is_reduce_grad, is_unshard, tensor_bytes
-from graphshard.passes.liveness import MemoryEstimate, graph_memory, step_memory
+from graphshard.passes.liveness import MemoryEstimate, graph_memory, saved_activations, step_memory
 from graphshard.passes.markers import ReduceSpec, UnshardSpec
 from graphshard.passes.bucket_collectives import bucket_collectives
 from graphshard.passes.insert_collectives import insert_collectives
@@ -52,6 +52,9 @@ def _schedule(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
     policy = ReorderPolicy(
         prefetch=ctx.options.prefetch,
         max_inflight_bytes=math.inf if budget is None else budget * 2**20,
+        within_peak=ctx.options.overlap_within_peak,
+        freed_inputs=frozenset(saved_activations(gm)) if ctx.graph_kind == "backward" else frozenset(),
+        via_all_to_all=ctx.via_all_to_all,
         compute_seconds=lambda node: node_cost(node, cluster).seconds,
         collective_seconds=lambda node: collective_node_cost(node, cluster).seconds,
     )

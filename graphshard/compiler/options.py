@@ -21,6 +21,8 @@ class GraphshardOptions:
     reorder: bool = True  # prefetch all-gathers and delay reduce-scatter waits
     prefetch: int = 1  # how many units ahead an all-gather may be issued
     max_inflight_mb: float | None = None  # budget for unsharded bytes held early or late; None = no cap
+    # prefetch and delay reductions only where that does not raise the graph's peak memory
+    overlap_within_peak: bool = False
     reduce_scatter: str = "auto"  # "native", "all_to_all" (+ local sum), "auto": a2a on gloo
     all_gather: str = "auto"  # "native", "all_to_all" (of N shard copies), "auto": a2a on gloo
     compiler: str = "inductor"  # final compiler: "inductor", or "eager" (run the FX graph)
@@ -39,6 +41,8 @@ class GraphshardOptions:
         check(isinstance(self.bucket_mb, (int, float)) and not isinstance(self.bucket_mb, bool)
               and self.bucket_mb >= 0, f"bucket_mb must be a number >= 0, got {self.bucket_mb!r}")
         check(isinstance(self.reorder, bool), f"reorder must be a bool, got {self.reorder!r}")
+        check(isinstance(self.overlap_within_peak, bool),
+              f"overlap_within_peak must be a bool, got {self.overlap_within_peak!r}")
         check(isinstance(self.prefetch, int) and not isinstance(self.prefetch, bool)
               and self.prefetch >= 0, f"prefetch must be an int >= 0, got {self.prefetch!r}")
         check(self.max_inflight_mb is None or (
