@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import operator
 from dataclasses import dataclass
-from typing import Any, Collection, Iterable, Sequence
+from typing import Any, Callable, Collection, Iterable, Sequence
 
 import torch
 import torch.fx as fx
@@ -103,10 +103,12 @@ def memory_estimate(gm: fx.GraphModule | fx.Graph,
     return MemoryEstimate(placeholder_bytes, peak, placeholder_bytes + peak, peak_node)
 
 
-def live_bytes(nodes: Sequence[fx.Node], buffers: Buffers) -> list[int]:
+def live_bytes(nodes: Sequence[fx.Node], buffers: Buffers,
+               counted: Callable[[fx.Node], bool] | None = None) -> list[int]:
     """Bytes allocated beyond the inputs while each of `nodes` runs, in the order given (a
     schedule not yet applied to the graph): a buffer is freed after the last node that uses
-    anything sharing it (outputs stay to the end); a collective reads its input until its wait."""
+    anything sharing it (outputs stay to the end); a collective reads its input until its wait.
+    `counted`: only the buffers of the nodes it accepts (None: all)."""
     index = {n: i for i, n in enumerate(nodes)}
     born: dict[int, int] = {}
     last_use: dict[int, int] = {}
@@ -127,11 +129,13 @@ def live_bytes(nodes: Sequence[fx.Node], buffers: Buffers) -> list[int]:
     born_at: dict[int, list[int]] = {}
     for b, i in born.items():
         born_at.setdefault(i, []).append(b)
+    ignored = {b for b, i in born.items() if counted is not None and not counted(nodes[i])}
+    ignored |= buffers.inputs
     live, timeline = 0, []
     for i in range(len(nodes)):
-        live += sum(buffers.sizes[b] for b in born_at.get(i, ()) if b not in buffers.inputs)
+        live += sum(buffers.sizes[b] for b in born_at.get(i, ()) if b not in ignored)
         timeline.append(live)
-        live -= sum(buffers.sizes[b] for b in frees.get(i, ()) if b not in buffers.inputs)
+        live -= sum(buffers.sizes[b] for b in frees.get(i, ()) if b not in ignored)
     return timeline
 
 

@@ -121,30 +121,65 @@ class InFlight:
         self.intervals: list[tuple[float, float, int]] = []  # [from, to) slots, bytes
 
     def fits(self, start: float, end: float, nbytes: int) -> bool:
-        """Whether `nbytes` more, held over [start, end), stay within every slot's room."""
-        return all(nbytes + sum(b for s, e, b in self.intervals if s <= slot < e) <= self.room[slot]
-                   for slot in range(math.ceil(start), math.ceil(end)))
+        """Whether `nbytes` more, held over [start, end), stay within the room everywhere: at
+        `start` (a half slot, where another gather's output may still be held) and at every
+        slot after it."""
+        points = [start, *range(math.floor(start) + 1, math.ceil(end))]
+        return all(nbytes + sum(b for s, e, b in self.intervals if s <= point < e)
+                   <= self.room[int(point)] for point in points)
 
     def add(self, start: float, end: float, nbytes: int) -> None:
         self.intervals.append((start, end, nbytes))
 
 
-def _held_in_flight(collective: fx.Node, buffers: Buffers, policy: ReorderPolicy) -> int:
+def _shard_side(nodes: Sequence[fx.Node]) -> set[fx.Node]:
+    """Our collectives' nodes that work on this rank's shard, whose sizes differ between ranks
+    when shards are uneven: what feeds an all-gather (pads, casts) and what follows a
+    reduction (narrows, casts, a hybrid replica all-reduce). Everything else has the same size
+    on every rank: model compute (every rank has an equal batch), gathered parameters and
+    gradients before their reduction."""
+    side: set[fx.Node] = set()
+    for node in nodes:
+        if not is_collective(node):
+            continue
+        if _is_gather(node):
+            frontier, step = list(node.all_input_nodes), lambda n: n.all_input_nodes
+        else:
+            frontier, step = list(wait_of(node).users), lambda n: list(n.users)
+        while frontier:
+            current = frontier.pop()
+            if "graphshard_role" in current.meta and current not in side:
+                side.add(current)
+                frontier.extend(step(current))
+    return side
+
+
+def _held_in_flight(collective: fx.Node, buffers: Buffers, policy: ReorderPolicy,
+                    shard_side: set[fx.Node]) -> int:
+    """Rank-invariant bytes a collective holds in flight: none for one on the shard side (a
+    hybrid replica all-reduce of this rank's shard), whose size would make ranks decide
+    differently; twice its buffer where overlap stays within the peak and the all-to-all
+    transport holds a second one."""
+    if collective in shard_side:
+        return 0
     held = buffers.held_in_flight(collective)
-    return 2 * held if collective_kind(collective) in policy.via_all_to_all else held
+    doubled = policy.within_peak and collective_kind(collective) in policy.via_all_to_all
+    return 2 * held if doubled else held
 
 
-def _room(baseline: Sequence[fx.Node], policy: ReorderPolicy, buffers: Buffers) -> list[float]:
-    """Per slot: the bytes that may be held in flight there."""
+def _room(baseline: Sequence[fx.Node], policy: ReorderPolicy, buffers: Buffers,
+          shard_side: set[fx.Node]) -> list[float]:
+    """Per slot: the bytes that may be held in flight there. Below the baseline's peak as
+    counted without the shard side: every rank must reach the same schedule."""
     if not policy.within_peak:
         return [policy.max_inflight_bytes] * len(baseline)
-    live = live_bytes(baseline, buffers)
+    live = live_bytes(baseline, buffers, counted=lambda node: node not in shard_side)
     peak = max(live, default=0)
     return [min(policy.max_inflight_bytes, peak - used) for used in live]
 
 
 def _prefetch_slots(baseline: Sequence[fx.Node], policy: ReorderPolicy, buffers: Buffers,
-                    in_flight: InFlight) -> dict[fx.Node, float]:
+                    in_flight: InFlight, shard_side: set[fx.Node]) -> dict[fx.Node, float]:
     """Prefetch policy: the slot each prefetched gather is issued at; `in_flight` records the
     extra time its output is held for."""
     issue: dict[fx.Node, float] = {}
@@ -159,7 +194,7 @@ def _prefetch_slots(baseline: Sequence[fx.Node], policy: ReorderPolicy, buffers:
     before = [0.0, *itertools.accumulate(seconds)]  # before[i]: compute in slots < i
     gathers = [n for n in baseline if _is_gather(n)]
     for index, gather in enumerate(gathers):
-        wait, nbytes = slot[wait_of(gather)], _held_in_flight(gather, buffers, policy)
+        wait, nbytes = slot[wait_of(gather)], _held_in_flight(gather, buffers, policy, shard_side)
         # just after an earlier bucket's wait, deepest first
         anchors = [slot[wait_of(gathers[index - depth])] + 0.5
                    for depth in range(min(policy.prefetch, index), 0, -1)]
@@ -178,7 +213,7 @@ def _prefetch_slots(baseline: Sequence[fx.Node], policy: ReorderPolicy, buffers:
 
 
 def _reduction_wait_slots(baseline: Sequence[fx.Node], policy: ReorderPolicy, buffers: Buffers,
-                          in_flight: InFlight) -> dict[fx.Node, float]:
+                          in_flight: InFlight, shard_side: set[fx.Node]) -> dict[fx.Node, float]:
     """Delay policy: the slot each delayed reduction is waited at (just before the next
     reduction, or the output), if its input fits beside the prefetched gathers meanwhile."""
     slot = {node: index for index, node in enumerate(baseline)}
@@ -186,7 +221,7 @@ def _reduction_wait_slots(baseline: Sequence[fx.Node], policy: ReorderPolicy, bu
     ends = [slot[r] for r in reductions[1:]] + [slot[baseline[-1]]]  # baseline[-1]: output
     delayed = {}
     for reduction, end in zip(reductions, ends):
-        held = _held_in_flight(reduction, buffers, policy)
+        held = _held_in_flight(reduction, buffers, policy, shard_side)
         if in_flight.fits(slot[reduction], end, held):
             delayed[wait_of(reduction)] = end - 0.5
             in_flight.add(slot[reduction], end, held)
@@ -199,9 +234,10 @@ def reorder_collectives(gm: fx.GraphModule, policy: ReorderPolicy) -> fx.GraphMo
     # anywhere earlier); prefetching then happens only by policy, within the budget.
     baseline = list_schedule(nodes, _sink_priorities(nodes))
     buffers = Buffers(gm, policy.freed_inputs)
-    in_flight = InFlight(_room(baseline, policy, buffers))
-    issue = _prefetch_slots(baseline, policy, buffers, in_flight)
-    delayed = _reduction_wait_slots(baseline, policy, buffers, in_flight)
+    shard_side = _shard_side(baseline)
+    in_flight = InFlight(_room(baseline, policy, buffers, shard_side))
+    issue = _prefetch_slots(baseline, policy, buffers, in_flight, shard_side)
+    delayed = _reduction_wait_slots(baseline, policy, buffers, in_flight, shard_side)
     priority = {node: float(index) for index, node in enumerate(baseline)}
     priority.update(issue)
     priority.update(delayed)

@@ -129,6 +129,7 @@ def resume_hybrid(rank: int, world: int, root: str) -> dict[str, Any]:
     model, optimizer = make(seed=1000 + rank, mesh=mesh, strategy="hybrid_shard")
     info = checkpoint.load(Path(root) / "ckpt", model, optimizer)
     result: dict[str, Any] = {"step": info.step,
+                              "placements": {str(p.placements) for p in model.parameters()},
                               "losses": train(model, optimizer, SAVE_STEP, LAST_STEP),
                               "final": full_state(model)}
     checkpoint.save(Path(root) / "hybrid-ckpt", model, optimizer, step=LAST_STEP)

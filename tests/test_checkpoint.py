@@ -216,6 +216,9 @@ def test_hybrid_resumes_a_flat_checkpoint_and_saves_one_that_loads_unsharded(wor
     ref = [r["reference"] for r in results]
     hybrid = [r["resume_hybrid"] for r in results]
     assert {r["step"] for r in hybrid} == {workers.SAVE_STEP}
+    # sharded within a group, replicated across the two (the 0-dim parameter: replicated on both)
+    assert all(r["placements"] <= {"(Replicate(), Shard(dim=0))", "(Replicate(), Replicate())"}
+               and "(Replicate(), Shard(dim=0))" in r["placements"] for r in hybrid)
     _assert_continues(hybrid, ref[0])
     # The hybrid save (each shard held by two replicas) loads into one unsharded process with
     # its optimizer state: the next step matches world size 3's, resumed the standard way.

@@ -9,6 +9,9 @@ import torch
 import torch.fx as fx
 from torch._subclasses.fake_tensor import FakeTensorMode
 
+import torch.distributed as dist
+
+from graphshard._torch_compat import init_fake_process_group
 from graphshard.tools.models import build_model
 from graphshard.compiler.options import GraphshardOptions
 from graphshard.passes.context import PassContext
@@ -306,6 +309,25 @@ def test_overlap_within_peak_keeps_the_baseline_peak_and_still_prefetches(fake_p
     assert peak[("any", "backward")] > peak[("none", "backward")]
     assert _inflight_peak(runs["within"][("forward", "scheduled")]) > 0  # still prefetches
     assert _inflight_peak(runs["within"][("backward", "scheduled")]) > 0
+
+
+def test_overlap_within_peak_schedules_every_rank_alike():
+    """World size 6: every shard of 64 rows is uneven (11 rows, the last rank 9), so the shard
+    side of the graphs differs by rank; the schedule must not (a different order of collectives
+    on different ranks hangs)."""
+    orders = []
+    for rank in (0, 5):
+        init_fake_process_group(6, rank)
+        try:
+            graphs = capture_step(*_transformer(), options={"overlap_within_peak": True,
+                                                            "prefetch": 2})
+        finally:
+            dist.destroy_process_group()
+        orders.append([[("issue" if is_collective(n) else "wait", collective_params(c))
+                        for n in gm.graph.nodes if is_collective(n) or is_wait(n)
+                        for c in [n if is_collective(n) else n.args[0]]]
+                       for gm in (graphs[(k, "scheduled")] for k in ("forward", "backward"))])
+    assert orders[0] == orders[1]
 
 
 @pytest.mark.parametrize("fake_pg", [64], indirect=True)

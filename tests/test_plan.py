@@ -111,7 +111,8 @@ def test_ranks_beyond_a_nodes_compute_slots_share_it():
     steps = {name: planner.predict("transformer", 3, spec, 3, 32, layout, knobs,
                                    model_args={"dim": 64, "vocab_size": 256}).step_s
              for name, spec in (("own device", PRESETS["a100"]), ("sharing", cpu))}
-    assert steps["sharing"] > 1.2 * steps["own device"], steps
+    # every term of the step (compute, memory traffic, overheads, transfers) slows alike
+    assert steps["sharing"] == pytest.approx(1.5 * steps["own device"], rel=0.02), steps
 
 
 def test_depth_extrapolation_matches_a_whole_capture():
