@@ -1,4 +1,4 @@
-"""The marker ops: `graphshard::unshard` and `graphshard::reduce_grad`.
+"""The marker ops `graphshard::unshard` and `graphshard::reduce_grad`, and `graphshard::split_copy`.
 
 Dynamo and AOTAutograd see these as opaque functional ops, one per parameter read and one per
 gradient, carrying everything the lowering needs in their arguments (passes/markers.py types
