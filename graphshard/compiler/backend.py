@@ -376,7 +376,8 @@ class GraphshardCompiler:
         self.split_context = (param_order, via_all_to_all)
         compilers = {kind: self._graph_compiler(kind, param_order, via_all_to_all)
                      for kind in ("forward", "backward", "inference")}
-        if self._reuses_cache():
+        # A backend id set by Dynamo itself (precompile packaging) is not ours to replace.
+        if self._reuses_cache() and getattr(gm, "_backend_id", None) is None:
             compilers = {kind: compat.cacheable_graph_compiler(fn) for kind, fn in compilers.items()}
             compat.salt_aot_autograd_cache_key(gm, self._cache_salt())
         backend = compat.aot_autograd_backend(
