@@ -32,7 +32,7 @@ from graphshard.policy import ShardingStrategy
 VOCAB = 256  # bytes
 VAL_EVERY_NTH_FILE = 10  # files held out for validation: every 10th, by sorted name
 # Measured on the 2-core development machine, 2 ranks, default demo model (README "Set up").
-COMPILE_NOTE = ("usually takes about 30 s on 2 idle CPU cores (10 s when Inductor's cache is "
+COMPILE_NOTE = ("usually takes about 20 s on 2 idle CPU cores (4 s when the compile caches are "
                 "warm from an earlier run), longer on a busy machine")
 TRAIN_MODELS = sorted(m for m in BUILTIN_MODELS if m != "llama3-8b")  # 8B: not on a laptop
 
