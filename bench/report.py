@@ -128,8 +128,8 @@ def format_table(summary: dict) -> str:
 
 def format_breakdown(summary: dict) -> str:
     """Where a profiled step's time goes, per method (rank 0, main thread, ms, the average of
-    the profile's measured steps): forward, backward and optimizer phases, and the time the compiled methods' graphs block in
-    wait_tensor on a collective (eager methods wait inside c10d, which this does not count).
+    the profile's measured steps): forward, backward and optimizer phases, and the time the
+    compiled methods' graphs block in wait_tensor on a collective (eager methods wait inside c10d, which this does not count).
     Under the profiler, so slower than the timed steps: compare methods, not absolute numbers."""
     rows = []
     for name, m in summary["methods"].items():

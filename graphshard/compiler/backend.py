@@ -253,8 +253,9 @@ class GraphshardCompiler:
         (the number `graphshard dump` shows and reshard_after_forward="auto" keeps within the
         budget): model state plus the larger of the forward's and the backward's own peak.
         None until both of its graphs are compiled (the backward compiles at the first
-        backward), for a compile served from AOTAutograd's cache (pass aot_cache=False), and None for a model Dynamo split into several graphs (each graph's memory
-        is modelled on its own; their sum over a step is not)."""
+        backward), for a compile served from AOTAutograd's cache (pass aot_cache=False), and
+        for a model Dynamo split into several graphs (each graph's memory is modelled on its
+        own; their sum over a step is not)."""
         if (self.training_graphs != 1 or self.state_bytes is None
                 or not {"forward", "backward"} <= self.graph_memory.keys()):
             return None
@@ -339,8 +340,9 @@ class GraphshardCompiler:
         unchanged code skips tracing, partitioning and our passes, as plain torch.compile does).
         Not where the graphs themselves are wanted: by an observer (`graphshard dump`) or for
         `predicted_peak_bytes` (the bench: aot_cache=False); not for "eager", which produces
-        nothing Inductor can store; not for "auto", which agrees on its choice with the other ranks during
-        the compile (a rank served from the cache would never join that collective)."""
+        nothing Inductor can store; not for "auto", which agrees on its choice with the other
+        ranks during the compile (a rank served from the cache would never join that
+        collective)."""
         return (self.aot_cache and self.observer is None and self.options.compiler == "inductor"
                 and self.options.reshard_after_forward != "auto")
 

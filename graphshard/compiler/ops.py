@@ -48,7 +48,7 @@ def split_copy(buffer: torch.Tensor, sizes: list[int], dim: int) -> list[torch.T
     copy-out in one call. Inductor runs it as is (FSDP2's split_with_sizes_copy), where slicing
     in the graph would make it generate and compile a kernel for every parameter: each differs
     in its offset into the bucket, so none is shared between parameters."""
-    return [piece.contiguous() for piece in torch.split_with_sizes_copy(buffer, sizes, dim)]
+    return list(torch.split_with_sizes_copy(buffer, sizes, dim))  # contiguous copies
 
 
 @split_copy.register_fake
