@@ -7,12 +7,26 @@ policies only choose priorities:
   their own: they run just before their first user, wait and copy-outs as one block (copying
   out one parameter at a time would keep the whole gathered buffer alive next to the copies).
   Every other node keeps its place. Times and places below are slots of this baseline.
-- prefetch: bucket k's all-gather runs right after bucket k-d's wait, d <= `prefetch`: the
-  shallowest d whose compute (by the cost model) covers the gather's time, holding memory no
-  longer than needed, else the deepest d the budget allows; its inputs come with it. Gathers
+- prefetch: bucket k's all-gather runs right after bucket k-d's wait and copy-outs (not
+  between them: the gathered buffer k-d is freed first, so it is never held beside bucket k's
+  buffers), d <= `prefetch` (the graph's first `prefetch` + 1 gathers may also start before
+  any copy-out, as late as the compute left covers them): the shallowest d whose compute (by
+  the cost model) covers the gather's time, holding memory no longer than needed, else the
+  deepest d the budget allows; its inputs come with it. Gathers
   issued at one point go in the order they are needed (one comm lane serves them in turn).
+- issue reductions after copy-outs: a reduce-scatter / all-reduce is issued just before the
+  next node that does work, after a gathered unit waited on and copied out in between.
 - delay reduction waits: a reduce-scatter / all-reduce is waited on just before the next one
-  is issued (or at the end): at most one in flight, and its wait never blocks compute.
+  is issued (or at the end): at most one in flight, and its wait never blocks compute; after
+  the last gather, where the compute up to the next one does not cover it, it stays in flight
+  past it.
+- hand over: where a gather is prefetched while a delayed reduction is in flight, and the
+  compute between the reduction's issue and the gather's use covers both (cost model), the
+  reduction is waited on at the point that leaves each the most compute per second it needs
+  and the gather is issued just after. One comm lane runs them one after the other anyway; so
+  each keeps its time covered, with the same margin, and their buffers are never held at once
+  (the backward's peak is where a unit starts: the next unit's prefetch beside the last unit's
+  reduction).
 Two limits on the bytes collectives hold in flight beyond need (prefetched gathers' outputs,
 delayed reductions' inputs; twice that where an all-to-all transport holds a second buffer of
 the same size), counted by the memory model that `graphshard dump` reports
@@ -120,13 +134,15 @@ class InFlight:
         self.room = room
         self.intervals: list[tuple[float, float, int]] = []  # [from, to) slots, bytes
 
-    def fits(self, start: float, end: float, nbytes: int) -> bool:
-        """Whether `nbytes` more, held over [start, end), stay within the room everywhere: at
-        `start` (a half slot, where another gather's output may still be held) and at every
-        slot after it."""
+    def fits(self, start: float, end: float, nbytes: int, room: Sequence[float] | None = None
+             ) -> bool:
+        """Whether `nbytes` more, held over [start, end), stay within the room (or `room`)
+        everywhere: at `start` (a half slot, where another gather's output may still be held)
+        and at every slot after it."""
+        room = self.room if room is None else room
         points = [start, *range(math.floor(start) + 1, math.ceil(end))]
         return all(nbytes + sum(b for s, e, b in self.intervals if s <= point < e)
-                   <= self.room[int(point)] for point in points)
+                   <= room[int(point)] for point in points)
 
     def add(self, start: float, end: float, nbytes: int) -> None:
         self.intervals.append((start, end, nbytes))
@@ -167,15 +183,31 @@ def _held_in_flight(collective: fx.Node, buffers: Buffers, policy: ReorderPolicy
     return 2 * held if doubled else held
 
 
-def _room(baseline: Sequence[fx.Node], policy: ReorderPolicy, buffers: Buffers,
-          shard_side: set[fx.Node]) -> list[float]:
-    """Per slot: the bytes that may be held in flight there. Below the baseline's peak as
-    counted without the shard side: every rank must reach the same schedule."""
-    if not policy.within_peak:
-        return [policy.max_inflight_bytes] * len(baseline)
+def _below_peak(baseline: Sequence[fx.Node], buffers: Buffers, shard_side: set[fx.Node]
+                ) -> list[float]:
+    """Per slot: the room left below the baseline's peak, counted without the shard side:
+    every rank must reach the same schedule."""
     live = live_bytes(baseline, buffers, counted=lambda node: node not in shard_side)
     peak = max(live, default=0)
-    return [min(policy.max_inflight_bytes, peak - used) for used in live]
+    return [peak - used for used in live]
+
+
+def _room(baseline: Sequence[fx.Node], policy: ReorderPolicy, below_peak: Sequence[float]
+          ) -> list[float]:
+    """Per slot: the bytes that may be held in flight there."""
+    if not policy.within_peak:
+        return [policy.max_inflight_bytes] * len(baseline)
+    return [min(policy.max_inflight_bytes, room) for room in below_peak]
+
+
+def _compute_before(baseline: Sequence[fx.Node], policy: ReorderPolicy) -> list[float]:
+    """before[i]: seconds of compute in slots < i. Only compute on full (gathered) tensors
+    counts as cover: our own prep nodes work on local shards, whose sizes differ between ranks
+    with uneven shards, and every rank must reach the same schedule (collectives issued in a
+    different order on different ranks hang)."""
+    seconds = [policy.compute_seconds(n) if policy.compute_seconds and not is_collective(n)
+               and not is_wait(n) and "graphshard_role" not in n.meta else 0.0 for n in baseline]
+    return [0.0, *itertools.accumulate(seconds)]
 
 
 def _prefetch_slots(baseline: Sequence[fx.Node], policy: ReorderPolicy, buffers: Buffers,
@@ -186,23 +218,33 @@ def _prefetch_slots(baseline: Sequence[fx.Node], policy: ReorderPolicy, buffers:
     if policy.prefetch == 0 or policy.max_inflight_bytes <= 0:
         return issue
     slot = {node: index for index, node in enumerate(baseline)}
-    # Only compute on full (gathered) tensors counts as cover: our own prep nodes work on local
-    # shards, whose sizes differ between ranks with uneven shards, and every rank must reach
-    # the same schedule (collectives issued in a different order on different ranks hang).
-    seconds = [policy.compute_seconds(n) if policy.compute_seconds and not is_collective(n)
-               and not is_wait(n) and "graphshard_role" not in n.meta else 0.0 for n in baseline]
-    before = [0.0, *itertools.accumulate(seconds)]  # before[i]: compute in slots < i
+    before = _compute_before(baseline, policy)
     gathers = [n for n in baseline if _is_gather(n)]
+    # where each gather's wait block ends: its wait and the copy-outs that move with it
+    copied_out = [max(slot[n] for n in (wait_of(g), *_output_chain(wait_of(g)))) for g in gathers]
+    inputs_end = next(i for i, n in enumerate(baseline) if n.op != "placeholder")
+    costed = policy.compute_seconds and policy.collective_seconds
+
+    def covered_from(gather: fx.Node) -> int:  # the latest slot whose compute covers it
+        wait = slot[wait_of(gather)]
+        return max((s for s in range(inputs_end, wait)
+                    if before[wait] - before[s] >= policy.collective_seconds(gather)),
+                   default=inputs_end) if costed else inputs_end
+
+    # The graph's first `prefetch` + 1 gathers (as many in flight as anywhere later) may start
+    # before any copy-out, as late as the compute left covers them, in the order they are needed.
+    starts = list(itertools.accumulate(map(covered_from, reversed(gathers[:policy.prefetch + 1])), min))
     for index, gather in enumerate(gathers):
         wait, nbytes = slot[wait_of(gather)], _held_in_flight(gather, buffers, policy, shard_side)
-        # just after an earlier bucket's wait, deepest first
-        anchors = [slot[wait_of(gathers[index - depth])] + 0.5
-                   for depth in range(min(policy.prefetch, index), 0, -1)]
-        allowed = [a for a in anchors if a < slot[gather] and in_flight.fits(a, wait, nbytes)]
-        if not allowed:
+        # just after an earlier bucket's copy-out, or at its start
+        anchors = [copied_out[index - depth] + 0.5 for depth in range(1, min(policy.prefetch, index) + 1)]
+        if index < len(starts):
+            anchors.append(starts[-1 - index] - 0.5)
+        allowed = sorted(a for a in anchors if a < slot[gather] and in_flight.fits(a, wait, nbytes))
+        if not allowed:  # deepest first
             continue
         chosen = allowed[0]
-        if policy.compute_seconds and policy.collective_seconds:
+        if costed:
             needed = policy.collective_seconds(gather)
             # shallowest first: hold memory only as long as needed
             chosen = next((a for a in reversed(allowed)
@@ -213,19 +255,85 @@ def _prefetch_slots(baseline: Sequence[fx.Node], policy: ReorderPolicy, buffers:
 
 
 def _reduction_wait_slots(baseline: Sequence[fx.Node], policy: ReorderPolicy, buffers: Buffers,
-                          in_flight: InFlight, shard_side: set[fx.Node]) -> dict[fx.Node, float]:
+                          in_flight: InFlight, shard_side: set[fx.Node],
+                          below_peak: Sequence[float]) -> dict[fx.Node, float]:
     """Delay policy: the slot each delayed reduction is waited at (just before the next
-    reduction, or the output), if its input fits beside the prefetched gathers meanwhile."""
+    reduction, or the output), if its input fits beside the prefetched gathers meanwhile.
+    After the graph's last gather, where the compute before the next reduction does not cover
+    this one's time (the end of a backward: the embedding's gradient follows the first
+    block's), waiting there would only block: it stays in flight until a later reduction that
+    its compute covers, or the output, if its input fits below the peak over the extra
+    stretch."""
     slot = {node: index for index, node in enumerate(baseline)}
+    before = _compute_before(baseline, policy)
     reductions = [n for n in baseline if is_collective(n) and not _is_gather(n)]
     ends = [slot[r] for r in reductions[1:]] + [slot[baseline[-1]]]  # baseline[-1]: output
+    costed = policy.compute_seconds and policy.collective_seconds
+    last_gathered = max((slot[wait_of(n)] for n in baseline if _is_gather(n)), default=-1)
     delayed = {}
-    for reduction, end in zip(reductions, ends):
-        held = _held_in_flight(reduction, buffers, policy, shard_side)
-        if in_flight.fits(slot[reduction], end, held):
+    for index, (reduction, end) in enumerate(zip(reductions, ends)):
+        start, held = slot[reduction], _held_in_flight(reduction, buffers, policy, shard_side)
+        # past the last gather memory only falls; shard side: a rank-dependent cost
+        if costed and start > last_gathered and reduction not in shard_side:
+            needed = policy.collective_seconds(reduction)
+            covered = next(e for e in ends[index:]
+                           if e == ends[-1] or before[e] - before[start + 1] >= needed)
+            if in_flight.fits(end, covered, held, room=below_peak):
+                end = covered
+        if in_flight.fits(start, end, held):
             delayed[wait_of(reduction)] = end - 0.5
-            in_flight.add(slot[reduction], end, held)
+            in_flight.add(start, end, held)
     return delayed
+
+
+def _hand_over(baseline: Sequence[fx.Node], policy: ReorderPolicy, issue: dict[fx.Node, float],
+               delayed: dict[fx.Node, float], shard_side: set[fx.Node]) -> None:
+    """Hand-over policy (see the module docstring): moves delayed reductions' waits earlier and
+    the gathers prefetched while they are in flight later, in `delayed` and `issue`. Both
+    intervals only shrink, so every memory limit checked before still holds."""
+    if not (policy.compute_seconds and policy.collective_seconds):
+        return
+    slot = {node: index for index, node in enumerate(baseline)}
+    before = _compute_before(baseline, policy)
+    for reduction in (n for n in baseline if is_collective(n) and not _is_gather(n)):
+        wait = wait_of(reduction)
+        if wait not in delayed or reduction in shard_side:  # shard side: rank-dependent cost
+            continue
+        start = slot[reduction]
+        queued = sorted((g for g, at in issue.items() if start < at < delayed[wait]), key=issue.get)
+        if not queued:
+            continue
+        need = slot[wait_of(queued[0])]
+        reduce_s, gather_s = policy.collective_seconds(reduction), policy.collective_seconds(queued[0])
+
+        def margin(handover: int) -> float:  # of the worse covered, waiting before `handover`
+            return min((before[handover] - before[start + 1]) / reduce_s,
+                       (before[need] - before[handover]) / gather_s)
+
+        handover = max(range(start + 1, need + 1), key=margin)
+        if margin(handover) < 1:
+            continue
+        delayed[wait] = handover - 0.5
+        for gather in queued:  # gathers issued before the hand-over follow it
+            if issue[gather] < handover:
+                issue[gather] = handover - 0.25
+
+
+def _reduction_issue_slots(baseline: Sequence[fx.Node]) -> dict[fx.Node, float]:
+    """Issue policy: a reduction goes just before the next node that does work (not a view, not
+    one of our prep or copy-out nodes): a gathered unit waited on and copied out in between has
+    released its buffers by then, so the reduction's are not allocated beside them."""
+    working = [index for index, node in enumerate(baseline)
+               if node.op == "call_function" and "graphshard_role" not in node.meta
+               and not is_collective(node) and not is_wait(node)
+               and not getattr(node.target, "is_view", False)]
+    issue = {}
+    for index, node in enumerate(baseline):
+        if is_collective(node) and not _is_gather(node):
+            later = next((w for w in working if w > index), None)
+            if later is not None:
+                issue[node] = later - 0.75
+    return issue
 
 
 def reorder_collectives(gm: fx.GraphModule, policy: ReorderPolicy) -> fx.GraphModule:
@@ -235,10 +343,13 @@ def reorder_collectives(gm: fx.GraphModule, policy: ReorderPolicy) -> fx.GraphMo
     baseline = list_schedule(nodes, _sink_priorities(nodes))
     buffers = Buffers(gm, policy.freed_inputs)
     shard_side = _shard_side(baseline)
-    in_flight = InFlight(_room(baseline, policy, buffers, shard_side))
+    below_peak = _below_peak(baseline, buffers, shard_side)
+    in_flight = InFlight(_room(baseline, policy, below_peak))
     issue = _prefetch_slots(baseline, policy, buffers, in_flight, shard_side)
-    delayed = _reduction_wait_slots(baseline, policy, buffers, in_flight, shard_side)
+    delayed = _reduction_wait_slots(baseline, policy, buffers, in_flight, shard_side, below_peak)
+    _hand_over(baseline, policy, issue, delayed, shard_side)
     priority = {node: float(index) for index, node in enumerate(baseline)}
+    priority.update(_reduction_issue_slots(baseline))
     priority.update(issue)
     priority.update(delayed)
     apply_order(gm.graph, list_schedule(baseline, _pull_inputs(baseline, priority, delayed)))

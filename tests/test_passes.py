@@ -134,12 +134,16 @@ def test_prefetch_issues_next_gather_before_current_compute_and_budget_zero_disa
     gm.graph.lint()
     gathers = call_nodes(gm, ALL_GATHER)
     order = node_order(gm.graph)
-    for previous, current in zip(gathers, gathers[1:]):
+    # the first two start with the graph (no unit in use yet: one in use, one ahead)
+    assert _compute_nodes_between(gm, gathers[1], wait_of(gathers[0])) == []
+    assert order[gathers[1]] < order[wait_of(gathers[0])]
+    for previous, current in zip(gathers[1:], gathers[2:]):
         # issued before the previous unit's compute (nothing computed since its wait), and the
         # previous unit's compute runs while it is in flight
         assert order[wait_of(previous)] < order[current]
         assert _compute_nodes_between(gm, wait_of(previous), current) == []
         assert _compute_nodes_between(gm, current, wait_of(current))
+    assert _inflight_peak(gm) == unit_bytes  # one unit ahead of the one in use, never more
     # budget 0: nothing is prefetched; no compute between a gather and its wait
     gm0 = reorder_collectives(bucket_collectives(gather_graph(8, params), ctx(bucket_mb=64)),
                               ReorderPolicy(prefetch=1, max_inflight_bytes=0))
@@ -203,9 +207,13 @@ def test_gathers_prefetched_at_one_point_are_issued_in_the_order_they_are_needed
                              ReorderPolicy(prefetch=2))
     gathers = call_nodes(gm, ALL_GATHER)
     assert [collective_params(g) for g in gathers] == [(name,) for name, _, _ in params]
-    # layers.1 and layers.2 are both issued right after layers.0's wait
-    assert wait_of(gathers[0]).next in (gathers[1], gathers[1].args[0])
-    assert _compute_nodes_between(gm, gathers[1], gathers[2]) == []
+    # layers.0, .1 and .2 are all issued as the graph starts (in the order they are needed,
+    # checked above), layers.3 two units ahead: right after layers.1's wait
+    order = node_order(gm.graph)
+    assert _compute_nodes_between(gm, gathers[0], gathers[2]) == []
+    assert order[gathers[2]] < order[wait_of(gathers[0])]
+    assert order[wait_of(gathers[1])] < order[gathers[3]]
+    assert _compute_nodes_between(gm, wait_of(gathers[1]), gathers[3]) == []
 
 
 def _inflight_peak(gm) -> int:
@@ -277,9 +285,12 @@ def test_captured_backward_prefetches_gathers_and_delays_reduce_scatter_waits(fa
         assert _compute_nodes_between(bwd, wait_of(previous), current) == []
         assert _compute_nodes_between(bwd, current, wait_of(current))
     scatters = call_nodes(bwd, REDUCE_SCATTER)
+    last_gathered = max(order[wait_of(g)] for g in gathers)
     for current, following in zip(scatters, scatters[1:]):
         wait = wait_of(current)
-        assert order[current] < order[wait] < order[following]
+        assert order[current] < order[wait]
+        if order[current] < last_gathered:  # one in flight at a time while gathers run
+            assert order[wait] < order[following]
         # the wait does not block the next unit's compute: compute runs while it is in flight
         assert _compute_nodes_between(bwd, current, wait)
 
@@ -309,6 +320,57 @@ def test_overlap_within_peak_keeps_the_baseline_peak_and_still_prefetches(fake_p
     assert peak[("any", "backward")] > peak[("none", "backward")]
     assert _inflight_peak(runs["within"][("forward", "scheduled")]) > 0  # still prefetches
     assert _inflight_peak(runs["within"][("backward", "scheduled")]) > 0
+
+
+@pytest.mark.parametrize("fake_pg", [2], indirect=True)
+def test_backward_hands_the_comm_lane_over_and_never_holds_two_units_in_flight(fake_pg):
+    """The bench's 4-block transformer with gloo's all-to-all transports, as the default
+    schedules it: a prefetch is issued after the previous unit's copy-out, a block's
+    reduce-scatter is issued after that copy-out and waited on before the next gather is
+    issued (compute covering each, by the cost model), so while gathers run at most one unit's
+    collective holds its buffers beyond need; the final reductions, with nothing to cover
+    them, are in flight together."""
+    model, inputs, loss_fn = build_model("transformer", batch=4, seq_len=64)
+    options = {"all_gather": "all_to_all", "reduce_scatter": "all_to_all"}
+    bwd = capture_step(model, inputs, loss_fn, options=options)[("backward", "scheduled")]
+    order = node_order(bwd.graph)
+    gathers, scatters = call_nodes(bwd, ALL_GATHER), call_nodes(bwd, REDUCE_SCATTER)
+
+    def copied_out(gather):  # the last of the copy-out nodes our passes put after its wait
+        chain, frontier = [], [wait_of(gather)]
+        while frontier:
+            node = frontier.pop()
+            chain.append(node)
+            frontier += [u for u in node.users if "graphshard_role" in u.meta]
+        return max(order[n] for n in chain)
+
+    for previous, current in zip(gathers, gathers[1:]):
+        if order[wait_of(previous)] < order[current]:  # prefetched after its wait
+            assert copied_out(previous) < order[current]  # the previous bucket is freed first
+
+    def in_flight(node):
+        return range(order[node], order[wait_of(node)])
+
+    units = [c for c in gathers + scatters if _nbytes(c) > MB]  # the blocks' collectives
+    last_gathered = max(order[wait_of(g)] for g in gathers)
+    for node in bwd.graph.nodes:  # model compute (views do no work)
+        if node.op == "call_function" and node.meta.get("graphshard_role") is None \
+                and not getattr(node.target, "is_view", False) and order[node] < last_gathered:
+            assert sum(order[node] in in_flight(c) for c in units) <= 1, node
+    handed_over = [s for s in scatters
+                   if _nbytes(s) > MB and any(order[s] < order[g] for g in gathers)]
+    assert len(handed_over) == 2  # layers.3 and .2: a unit's gather follows each
+    for scatter in handed_over:
+        following = min((g for g in gathers if order[g] > order[scatter]), key=order.get)
+        assert order[wait_of(scatter)] < order[following]
+        assert _compute_nodes_between(bwd, scatter, wait_of(scatter))
+        assert _compute_nodes_between(bwd, following, wait_of(following))
+    # after the last gather: layers.1's waited before layers.0's (whose compute covers it);
+    # layers.0's and the embedding's, with no compute left to cover them, in flight together
+    final = [s for s in scatters if order[s] > last_gathered]
+    assert len(final) == 3
+    assert order[wait_of(final[0])] < order[final[1]]
+    assert order[final[2]] < order[wait_of(final[1])]
 
 
 def test_overlap_within_peak_schedules_every_rank_alike():
@@ -373,14 +435,16 @@ def test_all_gather_via_all_to_all_sends_the_shard_to_every_rank_in_place_of_the
     (gather,) = call_nodes(gm, ALL_GATHER)
     shard, wait = gather.args[0], wait_of(gather)
     gathered_shape = tuple(gather.meta["val"].shape)
-    before, consumers = gather.prev, list(wait.users)
+    consumers, parts = list(wait.users), list(shard.args[0])
     gm = all_gather_via_all_to_all(gm)
     assert call_nodes(gm, ALL_GATHER) == []
     (exchange,) = call_nodes(gm, ALL_TO_ALL)
     rows = shard.meta["val"].shape[0]
-    # every rank sends its whole shard to every rank: N copies out, rank r's shard lands at r
+    # every rank sends its whole shard to every rank: N copies out, rank r's shard lands at r;
+    # the bucket's concatenation is written N times into the send buffer, not copied again
     copies = exchange.args[0]
-    assert copies.target is torch.ops.aten.repeat.default and copies.args[0] is shard
+    assert shard.target is torch.ops.aten.cat.default and shard not in gm.graph.nodes
+    assert copies.target is torch.ops.aten.cat.default and copies.args[0] == parts * 4
     assert copies.meta["val"].shape[0] == 4 * rows
     assert exchange.args[1] == exchange.args[2] == [rows] * 4
     assert tuple(exchange.meta["val"].shape) == gathered_shape
@@ -388,8 +452,13 @@ def test_all_gather_via_all_to_all_sends_the_shard_to_every_rank_in_place_of_the
     assert [tuple(v.meta["val"].shape) for v in gm.graph.output_node().args[0]] == shapes
     order = node_order(gm.graph)
     # issued where the all-gather was; its wait and the copy-outs are untouched
-    assert order[before] < order[copies] < order[exchange] < order[wait_of(exchange)]
+    assert order[parts[-1]] < order[copies] < order[exchange] < order[wait_of(exchange)]
     assert wait_of(exchange) is wait and list(wait.users) == consumers
+    # a shard that is not a concatenation (one parameter, no bucket) is repeated N times
+    gm = all_gather_via_all_to_all(gather_graph(4, params[:1]))
+    (exchange,) = call_nodes(gm, ALL_TO_ALL)
+    assert exchange.args[0].target is torch.ops.aten.repeat.default
+    assert exchange.args[0].args[1][0] == 4
 
 
 @pytest.mark.parametrize("on_gloo", [True, False])
