@@ -7,6 +7,7 @@ collective, which wait belongs to it, how many bytes is it) are answered here, o
 from __future__ import annotations
 
 import heapq
+import operator
 from dataclasses import dataclass
 from typing import Any, Callable, Iterable, Mapping
 
@@ -61,6 +62,13 @@ def collective_kind(node: fx.Node) -> str:
     """all_gather / reduce_scatter / all_reduce: what the collective does for us, whichever
     op carries it."""
     return node.meta["graphshard_lowered_from"] if _transported(node) else COLLECTIVES[node.target]
+
+
+def is_view(node: fx.Node) -> bool:
+    """Free ops: metadata-only views (an in-place op also aliases, but does real work)."""
+    if node.target is operator.getitem or node.target is aten._unsafe_view.default:
+        return True
+    return isinstance(node.target, torch._ops.OpOverload) and node.target.is_view
 
 
 def is_wait(node: fx.Node) -> bool:

@@ -9,24 +9,25 @@ policies only choose priorities:
   Every other node keeps its place. Times and places below are slots of this baseline.
 - prefetch: bucket k's all-gather runs right after bucket k-d's wait and copy-outs (not
   between them: the gathered buffer k-d is freed first, so it is never held beside bucket k's
-  buffers), d <= `prefetch` (the graph's first `prefetch` + 1 gathers may also start before
-  any copy-out, as late as the compute left covers them): the shallowest d whose compute (by
-  the cost model) covers the gather's time, holding memory no longer than needed, else the
-  deepest d the budget allows; its inputs come with it. Gathers
-  issued at one point go in the order they are needed (one comm lane serves them in turn).
-- issue reductions after copy-outs: a reduce-scatter / all-reduce is issued just before the
-  next node that does work, after a gathered unit waited on and copied out in between.
+  buffers), d <= `prefetch`: the shallowest d whose compute (by the cost model) covers the
+  gather's time, holding memory no longer than needed, else the deepest d the budget allows;
+  its inputs come with it. The graph's first `prefetch` + 1 gathers may also start before any
+  copy-out: as late as the compute left covers them, else at the start where that fits below
+  the peak. A gather is never issued before one needed earlier (one comm lane serves them in
+  turn).
+- issue reductions after copy-outs: a delayed reduce-scatter / all-reduce is issued just
+  before the next node that does work, after a gathered unit waited on and copied out there.
 - delay reduction waits: a reduce-scatter / all-reduce is waited on just before the next one
-  is issued (or at the end): at most one in flight, and its wait never blocks compute; after
-  the last gather, where the compute up to the next one does not cover it, it stays in flight
-  past it.
+  is issued (or at the end): while gathers run at most one is in flight, and its wait never
+  blocks compute. After the last gather, one whose time the compute up to the next does not
+  cover stays in flight past it, where that fits below the peak.
 - hand over: where a gather is prefetched while a delayed reduction is in flight, and the
   compute between the reduction's issue and the gather's use covers both (cost model), the
-  reduction is waited on at the point that leaves each the most compute per second it needs
-  and the gather is issued just after. One comm lane runs them one after the other anyway; so
-  each keeps its time covered, with the same margin, and their buffers are never held at once
-  (the backward's peak is where a unit starts: the next unit's prefetch beside the last unit's
-  reduction).
+  reduction is waited on earlier, at the point that leaves each the most compute per second
+  it needs, and the gather is issued just after. One comm lane runs them one after the other
+  anyway; so each keeps its time covered, with the same margin, and their buffers are never
+  held at once (the backward's peak is where a unit starts: the next unit's prefetch beside
+  the last unit's reduction).
 Two limits on the bytes collectives hold in flight beyond need (prefetched gathers' outputs,
 delayed reductions' inputs; twice that where an all-to-all transport holds a second buffer of
 the same size), counted by the memory model that `graphshard dump` reports
@@ -53,6 +54,7 @@ from graphshard.passes.graph_utils import (
     collective_kind,
     finalize_graph,
     is_collective,
+    is_view,
     is_wait,
     list_schedule,
     wait_of,
@@ -211,7 +213,8 @@ def _compute_before(baseline: Sequence[fx.Node], policy: ReorderPolicy) -> list[
 
 
 def _prefetch_slots(baseline: Sequence[fx.Node], policy: ReorderPolicy, buffers: Buffers,
-                    in_flight: InFlight, shard_side: set[fx.Node]) -> dict[fx.Node, float]:
+                    in_flight: InFlight, shard_side: set[fx.Node],
+                    below_peak: Sequence[float]) -> dict[fx.Node, float]:
     """Prefetch policy: the slot each prefetched gather is issued at; `in_flight` records the
     extra time its output is held for."""
     issue: dict[fx.Node, float] = {}
@@ -225,22 +228,32 @@ def _prefetch_slots(baseline: Sequence[fx.Node], policy: ReorderPolicy, buffers:
     inputs_end = next(i for i, n in enumerate(baseline) if n.op != "placeholder")
     costed = policy.compute_seconds and policy.collective_seconds
 
-    def covered_from(gather: fx.Node) -> int:  # the latest slot whose compute covers it
-        wait = slot[wait_of(gather)]
-        return max((s for s in range(inputs_end, wait)
-                    if before[wait] - before[s] >= policy.collective_seconds(gather)),
-                   default=inputs_end) if costed else inputs_end
+    def start_of(gather: fx.Node) -> int | None:
+        """Where one of the graph's first gathers may start before any copy-out: the latest
+        slot whose compute covers it, else the graph's start if it fits below the peak there
+        (nothing bounds the default's room, and a backward's peak is near its start)."""
+        if not costed:
+            return None
+        wait, needed = slot[wait_of(gather)], policy.collective_seconds(gather)
+        covered = [s for s in range(inputs_end, wait) if before[wait] - before[s] >= needed]
+        if covered:
+            return covered[-1]
+        held = _held_in_flight(gather, buffers, policy, shard_side)
+        return inputs_end if in_flight.fits(inputs_end - 0.5, wait, held, room=below_peak) else None
 
-    # The graph's first `prefetch` + 1 gathers (as many in flight as anywhere later) may start
-    # before any copy-out, as late as the compute left covers them, in the order they are needed.
-    starts = list(itertools.accumulate(map(covered_from, reversed(gathers[:policy.prefetch + 1])), min))
+    # the first `prefetch` + 1 gathers: as many in flight as anywhere later
+    starts = {g: start_of(g) for g in gathers[:policy.prefetch + 1]}
+    previous_issue = -math.inf
     for index, gather in enumerate(gathers):
         wait, nbytes = slot[wait_of(gather)], _held_in_flight(gather, buffers, policy, shard_side)
-        # just after an earlier bucket's copy-out, or at its start
+        # just after an earlier bucket's copy-out, or from the start
         anchors = [copied_out[index - depth] + 0.5 for depth in range(1, min(policy.prefetch, index) + 1)]
-        if index < len(starts):
-            anchors.append(starts[-1 - index] - 0.5)
-        allowed = sorted(a for a in anchors if a < slot[gather] and in_flight.fits(a, wait, nbytes))
+        if starts.get(gather) is not None:
+            anchors.append(starts[gather] - 0.5)
+        # never before a gather needed earlier (one comm lane serves them in need order)
+        allowed = sorted(a for a in anchors if previous_issue <= a < slot[gather]
+                         and in_flight.fits(a, wait, nbytes))
+        previous_issue = max(previous_issue, slot[gather] - 1)  # if not prefetched: at first use
         if not allowed:  # deepest first
             continue
         chosen = allowed[0]
@@ -249,9 +262,19 @@ def _prefetch_slots(baseline: Sequence[fx.Node], policy: ReorderPolicy, buffers:
             # shallowest first: hold memory only as long as needed
             chosen = next((a for a in reversed(allowed)
                            if before[wait] - before[math.ceil(a)] >= needed), chosen)
-        issue[gather] = chosen
+        issue[gather] = previous_issue = chosen
         in_flight.add(chosen, wait, nbytes)
     return issue
+
+
+def _descendants(node: fx.Node) -> set[fx.Node]:
+    found, frontier = set(), [node]
+    while frontier:
+        for user in frontier.pop().users:
+            if user not in found:
+                found.add(user)
+                frontier.append(user)
+    return found
 
 
 def _reduction_wait_slots(baseline: Sequence[fx.Node], policy: ReorderPolicy, buffers: Buffers,
@@ -262,12 +285,12 @@ def _reduction_wait_slots(baseline: Sequence[fx.Node], policy: ReorderPolicy, bu
     After the graph's last gather, where the compute before the next reduction does not cover
     this one's time (the end of a backward: the embedding's gradient follows the first
     block's), waiting there would only block: it stays in flight until a later reduction that
-    its compute covers, or the output, if its input fits below the peak over the extra
-    stretch."""
+    its compute covers (or that needs its result: a hybrid replica all-reduce), or the
+    output, if its input fits below the peak over the extra stretch."""
     slot = {node: index for index, node in enumerate(baseline)}
     before = _compute_before(baseline, policy)
     reductions = [n for n in baseline if is_collective(n) and not _is_gather(n)]
-    ends = [slot[r] for r in reductions[1:]] + [slot[baseline[-1]]]  # baseline[-1]: output
+    ends = [slot[r] for r in reductions[1:]] + [slot[baseline[-1]]]  # baseline[-1]: the output
     costed = policy.compute_seconds and policy.collective_seconds
     last_gathered = max((slot[wait_of(n)] for n in baseline if _is_gather(n)), default=-1)
     delayed = {}
@@ -276,8 +299,10 @@ def _reduction_wait_slots(baseline: Sequence[fx.Node], policy: ReorderPolicy, bu
         # past the last gather memory only falls; shard side: a rank-dependent cost
         if costed and start > last_gathered and reduction not in shard_side:
             needed = policy.collective_seconds(reduction)
-            covered = next(e for e in ends[index:]
-                           if e == ends[-1] or before[e] - before[start + 1] >= needed)
+            after = _descendants(wait_of(reduction))
+            covered = next(slot[r] for r in [*reductions[index + 1:], baseline[-1]]
+                           if r is baseline[-1] or r in after  # a reduction that needs it
+                           or before[slot[r]] - before[start + 1] >= needed)
             if in_flight.fits(end, covered, held, room=below_peak):
                 end = covered
         if in_flight.fits(start, end, held):
@@ -310,7 +335,8 @@ def _hand_over(baseline: Sequence[fx.Node], policy: ReorderPolicy, issue: dict[f
             return min((before[handover] - before[start + 1]) / reduce_s,
                        (before[need] - before[handover]) / gather_s)
 
-        handover = max(range(start + 1, need + 1), key=margin)
+        # no later than the wait it had: the reduction's interval only shrinks
+        handover = max(range(start + 1, min(need, math.ceil(delayed[wait])) + 1), key=margin)
         if margin(handover) < 1:
             continue
         delayed[wait] = handover - 0.5
@@ -319,19 +345,20 @@ def _hand_over(baseline: Sequence[fx.Node], policy: ReorderPolicy, issue: dict[f
                 issue[gather] = handover - 0.25
 
 
-def _reduction_issue_slots(baseline: Sequence[fx.Node]) -> dict[fx.Node, float]:
-    """Issue policy: a reduction goes just before the next node that does work (not a view, not
-    one of our prep or copy-out nodes): a gathered unit waited on and copied out in between has
-    released its buffers by then, so the reduction's are not allocated beside them."""
+def _reduction_issue_slots(baseline: Sequence[fx.Node], delayed: Mapping[fx.Node, float]
+                           ) -> dict[fx.Node, float]:
+    """Issue policy: a delayed reduction goes just before the next node that does work (not a
+    view, not one of our prep or copy-out nodes): a gathered unit waited on and copied out in
+    between has released its buffers by then, so the reduction's are not allocated beside them.
+    (One waited where it is issued gains nothing from moving.)"""
     working = [index for index, node in enumerate(baseline)
                if node.op == "call_function" and "graphshard_role" not in node.meta
-               and not is_collective(node) and not is_wait(node)
-               and not getattr(node.target, "is_view", False)]
+               and not is_collective(node) and not is_wait(node) and not is_view(node)]
     issue = {}
     for index, node in enumerate(baseline):
-        if is_collective(node) and not _is_gather(node):
+        if is_collective(node) and not _is_gather(node) and wait_of(node) in delayed:
             later = next((w for w in working if w > index), None)
-            if later is not None:
+            if later is not None and later - 0.75 < delayed[wait_of(node)]:
                 issue[node] = later - 0.75
     return issue
 
@@ -345,11 +372,11 @@ def reorder_collectives(gm: fx.GraphModule, policy: ReorderPolicy) -> fx.GraphMo
     shard_side = _shard_side(baseline)
     below_peak = _below_peak(baseline, buffers, shard_side)
     in_flight = InFlight(_room(baseline, policy, below_peak))
-    issue = _prefetch_slots(baseline, policy, buffers, in_flight, shard_side)
+    issue = _prefetch_slots(baseline, policy, buffers, in_flight, shard_side, below_peak)
     delayed = _reduction_wait_slots(baseline, policy, buffers, in_flight, shard_side, below_peak)
     _hand_over(baseline, policy, issue, delayed, shard_side)
     priority = {node: float(index) for index, node in enumerate(baseline)}
-    priority.update(_reduction_issue_slots(baseline))
+    priority.update(_reduction_issue_slots(baseline, delayed))
     priority.update(issue)
     priority.update(delayed)
     apply_order(gm.graph, list_schedule(baseline, _pull_inputs(baseline, priority, delayed)))

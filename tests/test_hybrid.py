@@ -17,6 +17,16 @@ from tests.zoo import Zoo, zoo_batch, zoo_loss
 STEPS, BATCH, K = 2, 12, 3
 
 
+def _ancestors(node):
+    found, frontier = set(), [node]
+    while frontier:
+        for parent in frontier.pop().all_input_nodes:
+            if parent not in found:
+                found.add(parent)
+                frontier.append(parent)
+    return found
+
+
 def _collectives(gm):
     return [(n, n.target, collective_group(n)) for n in gm.graph.nodes
             if n.op == "call_function" and n.target in (ALL_GATHER, REDUCE_SCATTER, ALL_REDUCE)]
@@ -29,7 +39,7 @@ def test_hybrid_graph_groups(fake_pg):
     model = Zoo()
     graphshard.shard(model, mesh, strategy="hybrid_shard")
     tokens = zoo_batch(4)
-    capture = GraphCapture(stages=("lowered",))
+    capture = GraphCapture(stages=("lowered", "scheduled"))
     compiled = capture.compile(model)
     graphs = capture.graphs
     zoo_loss(compiled(tokens), tokens).backward()
@@ -50,6 +60,16 @@ def test_hybrid_graph_groups(fake_pg):
     all_reduces = [g for _, t, g in backward if t is ALL_REDUCE]
     assert all_reduces.count((shard, 4)) == 1
     assert all_reduces.count((replicate, 2)) == len(scatters) + 1
+    # Scheduled: each all-reduce follows its reduce-scatter's wait with no other reduction
+    # issued between (a wait delayed past the all-reduce that needs it would stall it).
+    scheduled = graphs[("backward", "scheduled")]
+    order = {n: i for i, n in enumerate(scheduled.graph.nodes)}
+    reductions = [n for n, t, _ in _collectives(scheduled) if t is not ALL_GATHER]
+    for rs in (n for n in reductions if n.target is REDUCE_SCATTER):
+        dependent = [n for n in reductions if order[n] > order[rs] and wait_of(rs) in _ancestors(n)]
+        assert dependent, rs.name
+        between = [n for n in reductions if order[wait_of(rs)] < order[n] < order[dependent[0]]]
+        assert between == [], (rs.name, [n.name for n in between])
 
     # replica_only accumulation: reduce-scatter in the group each micro-batch, no all-reduce.
     graphs.clear()

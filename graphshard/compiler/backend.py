@@ -300,8 +300,8 @@ class GraphshardCompiler:
     def _choose_kept_units(self, joint: fx.GraphModule, joint_inputs, kwargs) -> frozenset[str]:
         """reshard_after_forward="auto": rank the units by gather time saved per byte kept, then
         keep the longest prefix of that ranking whose predicted peak, by the same passes and
-        memory model as `graphshard dump`, fits memory_budget_mb (the whole ranking first, then
-        a binary search: each probe partitions and estimates the step once). Ranks agree on the prefix length: the minimum
+        memory model as `graphshard dump`, fits memory_budget_mb (the whole ranking first,
+        then a binary search: each probe partitions and estimates the step once). Ranks agree on the prefix length: the minimum
         over ranks (the ranking itself uses only rank-invariant sizes)."""
         free = last_forward_unit(joint)  # kept at no cost in peak memory, as by default
         names = _unshard_specs(joint)
@@ -327,8 +327,11 @@ class GraphshardCompiler:
                           "MiB): no unit is kept gathered beyond the default")
             ranked = []
         fits, misses = 0, len(ranked) + 1  # predicted_peak(prefix of `fits`) <= budget < ...misses
-        if ranked and predicted_peak(keep_set(ranked))[0] <= budget:
-            fits = len(ranked)  # everything fits (the peak need not grow with each unit kept)
+        if ranked:  # everything first: the peak need not grow with each unit kept
+            if predicted_peak(keep_set(ranked))[0] <= budget:
+                fits = len(ranked)
+            else:
+                misses = len(ranked)
         while misses - fits > 1:
             probe = (fits + misses) // 2
             if predicted_peak(keep_set(ranked[:probe]))[0] <= budget:

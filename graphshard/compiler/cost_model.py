@@ -12,7 +12,6 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
-import operator
 import os
 from dataclasses import dataclass
 from typing import Any, Mapping, Sequence, Union
@@ -23,7 +22,8 @@ import torch.fx as fx
 from torch.fx.experimental.symbolic_shapes import optimization_hint
 from torch.utils.flop_counter import flop_registry
 
-from graphshard.passes.graph_utils import COLLECTIVES, collective_group, collective_kind, is_collective, is_wait
+from graphshard.passes.graph_utils import (COLLECTIVES, collective_group, collective_kind, is_collective,
+                                          is_view, is_wait)
 
 aten = torch.ops.aten
 Sym = Union[int, float, sympy.Expr]  # a number, or a formula in e.g. sympy.Symbol("N")
@@ -269,13 +269,6 @@ def _node_val(node: Any) -> Any:
     return node.meta.get("val") if isinstance(node, fx.Node) else None
 
 
-def _is_view(node: fx.Node) -> bool:
-    """Free ops: metadata-only views (an in-place op also aliases, but does real work)."""
-    if node.target is operator.getitem or node.target is aten._unsafe_view.default:
-        return True
-    return isinstance(node.target, torch._ops.OpOverload) and node.target.is_view
-
-
 def node_cost(node: fx.Node, spec: ClusterSpec, *, symbolic: bool = False) -> NodeCost:
     """Roofline cost of one compute node: max(flops/peak, bytes/mem_bw) + kernel overhead.
 
@@ -284,7 +277,7 @@ def node_cost(node: fx.Node, spec: ClusterSpec, *, symbolic: bool = False) -> No
     torch.utils.flop_counter's registry (matmuls, convolutions, attention and their
     backwards); every other op is memory-bound: bytes = inputs + output.
     """
-    if (node.op != "call_function" or is_collective(node) or is_wait(node) or _is_view(node)
+    if (node.op != "call_function" or is_collective(node) or is_wait(node) or is_view(node)
             or not isinstance(node.target, torch._ops.OpOverload)):
         return ZERO_COST
     zero = sympy.Integer(0) if symbolic else 0
