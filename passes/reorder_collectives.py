@@ -42,6 +42,7 @@ Every rank must reach the same schedule, so only rank-invariant sizes decide.
 
 from __future__ import annotations
 
+import bisect
 import itertools
 import math
 from dataclasses import dataclass
@@ -213,15 +214,14 @@ def _compute_before(baseline: Sequence[fx.Node], policy: ReorderPolicy) -> list[
 
 
 def _prefetch_slots(baseline: Sequence[fx.Node], policy: ReorderPolicy, buffers: Buffers,
-                    in_flight: InFlight, shard_side: set[fx.Node],
-                    below_peak: Sequence[float]) -> dict[fx.Node, float]:
+                    in_flight: InFlight, shard_side: set[fx.Node], below_peak: Sequence[float],
+                    before: Sequence[float]) -> dict[fx.Node, float]:
     """Prefetch policy: the slot each prefetched gather is issued at; `in_flight` records the
     extra time its output is held for."""
     issue: dict[fx.Node, float] = {}
     if policy.prefetch == 0 or policy.max_inflight_bytes <= 0:
         return issue
     slot = {node: index for index, node in enumerate(baseline)}
-    before = _compute_before(baseline, policy)
     gathers = [n for n in baseline if _is_gather(n)]
     # where each gather's wait block ends: its wait and the copy-outs that move with it
     copied_out = [max(slot[n] for n in (wait_of(g), *_output_chain(wait_of(g)))) for g in gathers]
@@ -247,7 +247,8 @@ def _prefetch_slots(baseline: Sequence[fx.Node], policy: ReorderPolicy, buffers:
     for index, gather in enumerate(gathers):
         wait, nbytes = slot[wait_of(gather)], _held_in_flight(gather, buffers, policy, shard_side)
         # just after an earlier bucket's copy-out, or from the start
-        anchors = [copied_out[index - depth] + 0.5 for depth in range(1, min(policy.prefetch, index) + 1)]
+        anchors = [copied_out[index - depth] + 0.5
+                   for depth in range(1, min(policy.prefetch, index) + 1)]
         if starts.get(gather) is not None:
             anchors.append(starts[gather] - 0.5)
         # never before a gather needed earlier (one comm lane serves them in need order)
@@ -279,7 +280,8 @@ def _descendants(node: fx.Node) -> set[fx.Node]:
 
 def _reduction_wait_slots(baseline: Sequence[fx.Node], policy: ReorderPolicy, buffers: Buffers,
                           in_flight: InFlight, shard_side: set[fx.Node],
-                          below_peak: Sequence[float]) -> dict[fx.Node, float]:
+                          below_peak: Sequence[float], before: Sequence[float]
+                          ) -> dict[fx.Node, float]:
     """Delay policy: the slot each delayed reduction is waited at (just before the next
     reduction, or the output), if its input fits beside the prefetched gathers meanwhile.
     After the graph's last gather, where the compute before the next reduction does not cover
@@ -288,7 +290,6 @@ def _reduction_wait_slots(baseline: Sequence[fx.Node], policy: ReorderPolicy, bu
     its compute covers (or that needs its result: a hybrid replica all-reduce), or the
     output, if its input fits below the peak over the extra stretch."""
     slot = {node: index for index, node in enumerate(baseline)}
-    before = _compute_before(baseline, policy)
     reductions = [n for n in baseline if is_collective(n) and not _is_gather(n)]
     ends = [slot[r] for r in reductions[1:]] + [slot[baseline[-1]]]  # baseline[-1]: the output
     costed = policy.compute_seconds and policy.collective_seconds
@@ -312,14 +313,14 @@ def _reduction_wait_slots(baseline: Sequence[fx.Node], policy: ReorderPolicy, bu
 
 
 def _hand_over(baseline: Sequence[fx.Node], policy: ReorderPolicy, issue: dict[fx.Node, float],
-               delayed: dict[fx.Node, float], shard_side: set[fx.Node]) -> None:
+               delayed: dict[fx.Node, float], shard_side: set[fx.Node], before: Sequence[float]
+               ) -> None:
     """Hand-over policy (see the module docstring): moves delayed reductions' waits earlier and
     the gathers prefetched while they are in flight later, in `delayed` and `issue`. Both
     intervals only shrink, so every memory limit checked before still holds."""
     if not (policy.compute_seconds and policy.collective_seconds):
         return
     slot = {node: index for index, node in enumerate(baseline)}
-    before = _compute_before(baseline, policy)
     for reduction in (n for n in baseline if is_collective(n) and not _is_gather(n)):
         wait = wait_of(reduction)
         if wait not in delayed or reduction in shard_side:  # shard side: rank-dependent cost
@@ -329,7 +330,8 @@ def _hand_over(baseline: Sequence[fx.Node], policy: ReorderPolicy, issue: dict[f
         if not queued:
             continue
         need = slot[wait_of(queued[0])]
-        reduce_s, gather_s = policy.collective_seconds(reduction), policy.collective_seconds(queued[0])
+        reduce_s = policy.collective_seconds(reduction)
+        gather_s = policy.collective_seconds(queued[0])
 
         def margin(handover: int) -> float:  # of the worse covered, waiting before `handover`
             return min((before[handover] - before[start + 1]) / reduce_s,
@@ -357,7 +359,8 @@ def _reduction_issue_slots(baseline: Sequence[fx.Node], delayed: Mapping[fx.Node
     issue = {}
     for index, node in enumerate(baseline):
         if is_collective(node) and not _is_gather(node) and wait_of(node) in delayed:
-            later = next((w for w in working if w > index), None)
+            at = bisect.bisect_right(working, index)
+            later = working[at] if at < len(working) else None
             if later is not None and later - 0.75 < delayed[wait_of(node)]:
                 issue[node] = later - 0.75
     return issue
@@ -372,9 +375,11 @@ def reorder_collectives(gm: fx.GraphModule, policy: ReorderPolicy) -> fx.GraphMo
     shard_side = _shard_side(baseline)
     below_peak = _below_peak(baseline, buffers, shard_side)
     in_flight = InFlight(_room(baseline, policy, below_peak))
-    issue = _prefetch_slots(baseline, policy, buffers, in_flight, shard_side, below_peak)
-    delayed = _reduction_wait_slots(baseline, policy, buffers, in_flight, shard_side, below_peak)
-    _hand_over(baseline, policy, issue, delayed, shard_side)
+    before = _compute_before(baseline, policy)
+    issue = _prefetch_slots(baseline, policy, buffers, in_flight, shard_side, below_peak, before)
+    delayed = _reduction_wait_slots(baseline, policy, buffers, in_flight, shard_side, below_peak,
+                                    before)
+    _hand_over(baseline, policy, issue, delayed, shard_side, before)
     priority = {node: float(index) for index, node in enumerate(baseline)}
     priority.update(_reduction_issue_slots(baseline, delayed))
     priority.update(issue)

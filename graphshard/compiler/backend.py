@@ -301,8 +301,9 @@ class GraphshardCompiler:
         """reshard_after_forward="auto": rank the units by gather time saved per byte kept, then
         keep the longest prefix of that ranking whose predicted peak, by the same passes and
         memory model as `graphshard dump`, fits memory_budget_mb (the whole ranking first,
-        then a binary search: each probe partitions and estimates the step once). Ranks agree on the prefix length: the minimum
-        over ranks (the ranking itself uses only rank-invariant sizes)."""
+        then a binary search: each probe partitions and estimates the step once). Ranks agree
+        on the prefix length: the minimum over ranks (the ranking itself uses only
+        rank-invariant sizes)."""
         free = last_forward_unit(joint)  # kept at no cost in peak memory, as by default
         names = _unshard_specs(joint)
 
