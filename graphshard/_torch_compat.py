@@ -59,12 +59,18 @@ def inductor_partition(joint: fx.GraphModule, joint_inputs, **kwargs):
 def inductor_compile_graph(gm: fx.GraphModule, example_inputs: Sequence[Any], graph_kind: str):
     """Inductor on one already-partitioned graph, without its peak-memory reordering: that pass
     knows nothing of collectives, and shard sizes differ by rank (uneven shards), so it could
-    undo our schedule or order collectives differently on different ranks (a hang).
+    undo our schedule or order collectives differently on different ranks (a hang). And
+    without its buffer reuse, which keeps a dead buffer allocated until a later buffer of the
+    same size takes it over, wherever its own estimate of the peak allows: that estimate sees
+    neither a collective's buffers nor the saved activations a backward frees as it goes, so in
+    our graphs the reuse held a unit's gathered or reduced buffer beside the next one (measured:
+    2-5 MiB over the memory model's peak on the bench's transformers; each buffer is now freed
+    at its last use, as the memory model and the schedule assume).
     Public replacement: none (torch.compile's Inductor takes whole Dynamo graphs)."""
     from torch._inductor import config as inductor_config
     from torch._inductor.compile_fx import compile_fx_inner
 
-    with inductor_config.patch(reorder_for_peak_memory=False):
+    with inductor_config.patch(reorder_for_peak_memory=False, allow_buffer_reuse=False):
         return compile_fx_inner(gm, example_inputs, is_backward=graph_kind == "backward",
                                 is_inference=graph_kind == "inference")
 

@@ -63,6 +63,9 @@ from graphshard.passes.graph_utils import (
 from graphshard.passes.liveness import Buffers, live_bytes
 
 NodeSeconds = Callable[[fx.Node], float]
+# A prefetched gather may wait to be issued until the compute left before its use covers its time
+# this many times over (by the cost model, whose time errors are about 20% median here).
+LATE_ISSUE_COVER = 2.0
 
 
 @dataclass(frozen=True)
@@ -146,6 +149,11 @@ class InFlight:
         points = [start, *range(math.floor(start) + 1, math.ceil(end))]
         return all(nbytes + sum(b for s, e, b in self.intervals if s <= point < e)
                    <= room[int(point)] for point in points)
+
+    def room_left(self, slot: int, room: Sequence[float] | None = None) -> float:
+        """The room (or `room`) at `slot` less what is already held in flight there."""
+        room = self.room if room is None else room
+        return room[slot] - sum(b for s, e, b in self.intervals if s <= slot < e)
 
     def add(self, start: float, end: float, nbytes: int) -> None:
         self.intervals.append((start, end, nbytes))
@@ -263,9 +271,29 @@ def _prefetch_slots(baseline: Sequence[fx.Node], policy: ReorderPolicy, buffers:
             # shallowest first: hold memory only as long as needed
             chosen = next((a for a in reversed(allowed)
                            if before[wait] - before[math.ceil(a)] >= needed), chosen)
+            chosen = _least_memory_issue(chosen, wait, needed, before, in_flight, below_peak)
         issue[gather] = previous_issue = chosen
         in_flight.add(chosen, wait, nbytes)
     return issue
+
+
+def _least_memory_issue(anchor: float, wait: int, needed: float, before: Sequence[float],
+                        in_flight: InFlight, below_peak: Sequence[float]) -> float:
+    """Where, from `anchor` on, a prefetched gather is issued: the earliest slot from which
+    holding its output until `wait` meets no higher memory than issuing it as late as compute
+    still covers it `LATE_ISSUE_COVER` times over. Issued at its anchor, the next unit's gather
+    would sit beside the activations a backward block frees as it goes (the backward's peak is
+    at a block's start); issued as late as that, it is allocated where memory is lower and still
+    has room for the cost model's error."""
+    first = math.ceil(anchor)
+    late = [s for s in range(first, wait) if before[wait] - before[s] >= LATE_ISSUE_COVER * needed]
+    if not late:
+        return anchor
+    room = [in_flight.room_left(s, below_peak) for s in range(first, wait)]
+    suffix_min = list(itertools.accumulate(reversed(room), min))[::-1]  # over [s, wait)
+    target = suffix_min[late[-1] - first]
+    issue = first + next(i for i, least in enumerate(suffix_min) if least >= target)
+    return anchor if issue == first else issue - 0.5
 
 
 def _descendants(node: fx.Node) -> set[fx.Node]:

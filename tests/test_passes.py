@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib
 import math
 
 import pytest
@@ -17,8 +18,8 @@ from graphshard.compiler.options import GraphshardOptions
 from graphshard.passes.context import PassContext
 from graphshard.passes.bucket_collectives import bucket_collectives, plan_buckets
 from graphshard.passes.graph_utils import (
-    ALL_GATHER, REDUCE_SCATTER, GraphEmitter, aten, collective_params, dim0_chunk, is_collective,
-    is_wait, list_schedule, node_order, wait_of,
+    ALL_GATHER, REDUCE_SCATTER, GraphEmitter, aten, collective_kind, collective_params, dim0_chunk,
+    is_collective, is_wait, list_schedule, node_order, wait_of,
 )
 from graphshard.passes.liveness import graph_memory, memory_estimate
 from graphshard.passes.lowering import lower_reduce_grad, lower_unshard
@@ -524,3 +525,50 @@ def test_a_pipeline_stopped_after_a_stage_resumes_where_it_stopped():
                                                    if s not in ("merged", "tagged"))
     with pytest.raises(ValueError, match="'tagged' is not a stage of the forward graph"):
         backend.run_pipeline(graph, ctx, stop_after="tagged")
+
+
+@pytest.mark.parametrize("fake_pg", [2], indirect=True)
+def test_a_backward_prefetch_is_issued_where_memory_is_low_and_compute_still_covers_it(
+        fake_pg, monkeypatch):
+    """The bench's 4-block transformer (gloo's all-to-all transports): a backward block's peak is
+    at its start, where its saved activations are still alive. Each prefetched gather is issued
+    later in the block, where the compute left still covers it (cost model) at least
+    `LATE_ISSUE_COVER` times, unless issuing it there meets no lower memory: the backward's
+    predicted peak is lower than with every prefetch at its anchor (just after the previous
+    unit's copy-out)."""
+    from graphshard.compiler.cost_model import ClusterSpec, collective_node_cost, node_cost
+    reorder = importlib.import_module("graphshard.passes.reorder_collectives")
+
+    options = {"all_gather": "all_to_all", "reduce_scatter": "all_to_all"}
+
+    def backward():
+        model, inputs, loss_fn = build_model("transformer", batch=4, seq_len=64)
+        return capture_step(model, inputs, loss_fn, options=options)[("backward", "transport")]
+
+    late, margin = backward(), reorder.LATE_ISSUE_COVER
+    monkeypatch.setattr(reorder, "LATE_ISSUE_COVER", math.inf)  # every prefetch at its anchor
+    anchored = backward()
+    peak = {name: graph_memory(gm, "backward").peak_transient_bytes
+            for name, gm in (("late", late), ("anchored", anchored))}
+    assert peak["late"] <= peak["anchored"] - 3 * MB  # one unit's gathered buffers (a2a: two)
+
+    def gathers(gm):  # in the transport stage: all-to-all carrying an all-gather
+        return [n for n in gm.graph.nodes if is_collective(n)
+                and collective_kind(n) == "all_gather" and _nbytes(n) > MB]
+
+    cluster = ClusterSpec.default()
+    order, anchored_order = node_order(late.graph), node_order(anchored.graph)
+    nodes = list(late.graph.nodes)
+    moved = 0
+    for gather, twin in zip(gathers(late), gathers(anchored), strict=True):
+        between = nodes[order[gather] + 1:order[wait_of(gather)]]
+        covered = sum(node_cost(n, cluster).seconds for n in between
+                      if n.op == "call_function" and "graphshard_role" not in n.meta
+                      and not is_collective(n) and not is_wait(n))
+        # fewer nodes between issue and wait than from the anchor: issued later, and only
+        # where the compute left covers it with the margin
+        if (order[wait_of(gather)] - order[gather]
+                < anchored_order[wait_of(twin)] - anchored_order[twin]):
+            moved += 1
+            assert covered >= margin * collective_node_cost(gather, cluster).seconds
+    assert moved  # layers.2's, at the backward's peak; the others meet no lower memory later
