@@ -11,7 +11,9 @@ policies only choose priorities:
   between them: the gathered buffer k-d is freed first, so it is never held beside bucket k's
   buffers), d <= `prefetch`: the shallowest d whose compute (by the cost model) covers the
   gather's time, holding memory no longer than needed, else the deepest d the budget allows;
-  its inputs come with it. The graph's first `prefetch` + 1 gathers may also start before any
+  its inputs come with it. From there it may go later, as long as the compute left covers it
+  `LATE_ISSUE_COVER` times, to the earliest slot that meets the least memory (a backward
+  block's peak is at its start, with its activations still alive). The graph's first `prefetch` + 1 gathers may also start before any
   copy-out: as late as the compute left covers them, else at the start where that fits below
   the peak. A gather is never issued before one needed earlier (one comm lane serves them in
   turn).
