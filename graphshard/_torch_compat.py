@@ -59,7 +59,7 @@ def inductor_partition(joint: fx.GraphModule, joint_inputs, **kwargs):
 def inductor_compile_graph(gm: fx.GraphModule, example_inputs: Sequence[Any], graph_kind: str):
     """Inductor on one already-partitioned graph, without its peak-memory reordering: that pass
     knows nothing of collectives, and shard sizes differ by rank (uneven shards), so it could
-    undo our schedule or order collectives differently on different ranks (a hang). And
+    undo our schedule or order collectives differently on different ranks (a hang). Also
     without its buffer reuse, which keeps a dead buffer allocated until a later buffer of the
     same size takes it over, wherever its own estimate of the peak allows: that estimate sees
     neither a collective's buffers nor the saved activations a backward frees as it goes, so in

@@ -12,11 +12,12 @@ policies only choose priorities:
   buffers), d <= `prefetch`: the shallowest d whose compute (by the cost model) covers the
   gather's time, holding memory no longer than needed, else the deepest d the budget allows;
   its inputs come with it. From there it may go later, as long as the compute left covers it
-  `LATE_ISSUE_COVER` times, to the earliest slot that meets the least memory (a backward
-  block's peak is at its start, with its activations still alive). The graph's first `prefetch` + 1 gathers may also start before any
-  copy-out: as late as the compute left covers them, else at the start where that fits below
-  the peak. A gather is never issued before one needed earlier (one comm lane serves them in
-  turn).
+  `LATE_ISSUE_COVER` times (before the hand-over below, which may move it later still, keeping
+  it covered), to the earliest slot that meets the least memory (a backward block's peak is at
+  its start, with its activations still alive), never past where the next gather may be
+  issued. The graph's first `prefetch` + 1 gathers may also start before any copy-out: as late
+  as the compute left covers them, else at the start where that fits below the peak. A gather
+  is never issued before one needed earlier (one comm lane serves them in turn).
 - issue reductions after copy-outs: a delayed reduce-scatter / all-reduce is issued just
   before the next node that does work, after a gathered unit waited on and copied out there.
 - delay reduction waits: a reduce-scatter / all-reduce is waited on just before the next one
@@ -149,13 +150,11 @@ class InFlight:
         and at every slot after it."""
         room = self.room if room is None else room
         points = [start, *range(math.floor(start) + 1, math.ceil(end))]
-        return all(nbytes + sum(b for s, e, b in self.intervals if s <= point < e)
-                   <= room[int(point)] for point in points)
+        return all(nbytes + self.held_at(point) <= room[int(point)] for point in points)
 
-    def room_left(self, slot: int, room: Sequence[float] | None = None) -> float:
-        """The room (or `room`) at `slot` less what is already held in flight there."""
-        room = self.room if room is None else room
-        return room[slot] - sum(b for s, e, b in self.intervals if s <= slot < e)
+    def held_at(self, point: float) -> int:
+        """Bytes already held in flight at `point`."""
+        return sum(b for s, e, b in self.intervals if s <= point < e)
 
     def add(self, start: float, end: float, nbytes: int) -> None:
         self.intervals.append((start, end, nbytes))
@@ -253,16 +252,21 @@ def _prefetch_slots(baseline: Sequence[fx.Node], policy: ReorderPolicy, buffers:
 
     # the first `prefetch` + 1 gathers: as many in flight as anywhere later
     starts = {g: start_of(g) for g in gathers[:policy.prefetch + 1]}
+
+    def anchors_of(index: int) -> list[float]:
+        """Where gather `index` may be issued: just after an earlier bucket's copy-out, or from
+        the start."""
+        anchors = [copied_out[index - depth] + 0.5
+                   for depth in range(1, min(policy.prefetch, index) + 1)]
+        if starts.get(gathers[index]) is not None:
+            anchors.append(starts[gathers[index]] - 0.5)
+        return anchors
+
     previous_issue = -math.inf
     for index, gather in enumerate(gathers):
         wait, nbytes = slot[wait_of(gather)], _held_in_flight(gather, buffers, policy, shard_side)
-        # just after an earlier bucket's copy-out, or from the start
-        anchors = [copied_out[index - depth] + 0.5
-                   for depth in range(1, min(policy.prefetch, index) + 1)]
-        if starts.get(gather) is not None:
-            anchors.append(starts[gather] - 0.5)
         # never before a gather needed earlier (one comm lane serves them in need order)
-        allowed = sorted(a for a in anchors if previous_issue <= a < slot[gather]
+        allowed = sorted(a for a in anchors_of(index) if previous_issue <= a < slot[gather]
                          and in_flight.fits(a, wait, nbytes))
         previous_issue = max(previous_issue, slot[gather] - 1)  # if not prefetched: at first use
         if not allowed:  # deepest first
@@ -273,29 +277,36 @@ def _prefetch_slots(baseline: Sequence[fx.Node], policy: ReorderPolicy, buffers:
             # shallowest first: hold memory only as long as needed
             chosen = next((a for a in reversed(allowed)
                            if before[wait] - before[math.ceil(a)] >= needed), chosen)
-            chosen = _least_memory_issue(chosen, wait, needed, before, in_flight, below_peak)
+            # not past the next gather's earliest anchor (prefetch > 1), which it must precede
+            latest = min(anchors_of(index + 1), default=wait) if index + 1 < len(gathers) else wait
+            headroom = [below_peak[s] - in_flight.held_at(s)
+                        for s in range(math.ceil(chosen), wait)]
+            chosen = _least_memory_issue(chosen, min(latest, wait), wait, needed, before, headroom)
         issue[gather] = previous_issue = chosen
         in_flight.add(chosen, wait, nbytes)
     return issue
 
 
-def _least_memory_issue(anchor: float, wait: int, needed: float, before: Sequence[float],
-                        in_flight: InFlight, below_peak: Sequence[float]) -> float:
-    """Where, from `anchor` on, a prefetched gather is issued: the earliest slot from which
-    holding its output until `wait` meets no higher memory than issuing it as late as compute
-    still covers it `LATE_ISSUE_COVER` times over. Issued at its anchor, the next unit's gather
-    would sit beside the activations a backward block frees as it goes (the backward's peak is
-    at a block's start); issued as late as that, it is allocated where memory is lower and still
-    has room for the cost model's error."""
+def _least_memory_issue(anchor: float, latest: float, wait: int, needed: float,
+                        before: Sequence[float], headroom: Sequence[float]) -> float:
+    """Where, from `anchor` to `latest`, a prefetched gather is issued: the earliest slot from
+    which holding its output until `wait` meets as much headroom (`headroom[i]`: bytes below
+    the peak at slot ceil(anchor) + i, less what is already in flight) as issuing it at the
+    last slot whose compute left covers it `LATE_ISSUE_COVER` times over. Issued at its anchor,
+    the next unit's gather would sit beside the activations a backward block frees as it goes
+    (the backward's peak is at a block's start); issued there, it is allocated where memory is
+    lower and keeps a margin for the cost model's error. The anchor where no slot is covered
+    that well or memory is no lower later."""
     first = math.ceil(anchor)
-    late = [s for s in range(first, wait) if before[wait] - before[s] >= LATE_ISSUE_COVER * needed]
-    if not late:
+    covered = [s for s in range(first, math.floor(latest + 0.5) + 1)
+               if s < wait and before[wait] - before[s] >= LATE_ISSUE_COVER * needed]
+    if not covered:
         return anchor
-    room = [in_flight.room_left(s, below_peak) for s in range(first, wait)]
-    suffix_min = list(itertools.accumulate(reversed(room), min))[::-1]  # over [s, wait)
-    target = suffix_min[late[-1] - first]
-    issue = first + next(i for i, least in enumerate(suffix_min) if least >= target)
-    return anchor if issue == first else issue - 0.5
+    # worst[i]: the least headroom over slots first + i .. wait - 1 (grows with i)
+    worst = list(itertools.accumulate(reversed(headroom), min))[::-1]
+    enough = worst[covered[-1] - first]
+    issue = first + next(i for i, least in enumerate(worst) if least >= enough)
+    return max(anchor, issue - 0.5)
 
 
 def _descendants(node: fx.Node) -> set[fx.Node]:

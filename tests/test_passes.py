@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import importlib
 import math
 
 import pytest
@@ -531,13 +530,12 @@ def test_a_pipeline_stopped_after_a_stage_resumes_where_it_stopped():
 def test_a_backward_prefetch_is_issued_where_memory_is_low_and_compute_still_covers_it(
         fake_pg, monkeypatch):
     """The bench's 4-block transformer (gloo's all-to-all transports): a backward block's peak is
-    at its start, where its saved activations are still alive. Each prefetched gather is issued
-    later in the block, where the compute left still covers it (cost model) at least
-    `LATE_ISSUE_COVER` times, unless issuing it there meets no lower memory: the backward's
+    at its start, where its saved activations are still alive. A prefetched gather is issued
+    later in the block where that meets lower memory and compute still covers it: the backward's
     predicted peak is lower than with every prefetch at its anchor (just after the previous
-    unit's copy-out)."""
+    unit's copy-out). The rule itself: test_late_issue_meets_the_least_memory_the_margin_allows."""
     from graphshard.compiler.cost_model import ClusterSpec, collective_node_cost, node_cost
-    reorder = importlib.import_module("graphshard.passes.reorder_collectives")
+    import graphshard.passes.reorder_collectives as reorder
 
     options = {"all_gather": "all_to_all", "reduce_scatter": "all_to_all"}
 
@@ -545,7 +543,7 @@ def test_a_backward_prefetch_is_issued_where_memory_is_low_and_compute_still_cov
         model, inputs, loss_fn = build_model("transformer", batch=4, seq_len=64)
         return capture_step(model, inputs, loss_fn, options=options)[("backward", "transport")]
 
-    late, margin = backward(), reorder.LATE_ISSUE_COVER
+    late = backward()
     monkeypatch.setattr(reorder, "LATE_ISSUE_COVER", math.inf)  # every prefetch at its anchor
     anchored = backward()
     peak = {name: graph_memory(gm, "backward").peak_transient_bytes
@@ -565,10 +563,31 @@ def test_a_backward_prefetch_is_issued_where_memory_is_low_and_compute_still_cov
         covered = sum(node_cost(n, cluster).seconds for n in between
                       if n.op == "call_function" and "graphshard_role" not in n.meta
                       and not is_collective(n) and not is_wait(n))
-        # fewer nodes between issue and wait than from the anchor: issued later, and only
-        # where the compute left covers it with the margin
+        # fewer nodes between issue and wait than from the anchor: issued later, and still
+        # covered (the margin is chosen before the hand-over, which may move it later still)
         if (order[wait_of(gather)] - order[gather]
                 < anchored_order[wait_of(twin)] - anchored_order[twin]):
             moved += 1
-            assert covered >= margin * collective_node_cost(gather, cluster).seconds
+            assert covered >= collective_node_cost(gather, cluster).seconds
     assert moved  # layers.2's, at the backward's peak; the others meet no lower memory later
+
+
+def test_late_issue_meets_the_least_memory_the_margin_allows():
+    """`_least_memory_issue` on made-up slots: compute 1 s per slot, the gather needs 1 s and is
+    waited on at slot 10, anchored at slot 2 (priority 1.5); LATE_ISSUE_COVER 2 allows issuing
+    it up to slot 8 (2 s of compute left)."""
+    from graphshard.passes.reorder_collectives import LATE_ISSUE_COVER, _least_memory_issue
+
+    assert LATE_ISSUE_COVER == 2.0
+    before = [float(s) for s in range(12)]  # before[s]: compute in slots < s
+
+    def issue(headroom_by_slot, latest=10.0, needed=1.0):
+        return _least_memory_issue(1.5, latest, 10, needed, before, headroom_by_slot[2:10])
+
+    dip = [0, 0, 5, 1, 1, 3, 8, 8, 8, 8]  # little room early (a block's start), more from slot 6
+    assert issue(dip) == 5.5  # just before slot 6: the earliest from which the worst is 8
+    assert issue([0, 0, 5, 5, 5, 5, 5, 5, 5, 5]) == 1.5  # flat: memory no lower later, anchor
+    assert issue(dip, needed=5.0) == 1.5  # not covered twice over anywhere: anchor
+    assert issue(dip, needed=2.0) == 5.5  # covered twice over up to slot 6
+    assert issue(dip, needed=2.5) == 4.5  # up to slot 5: the worst from there on is 3
+    assert issue(dip, latest=4.5) == 4.5  # not past the next gather's anchor: up to slot 5
