@@ -278,10 +278,10 @@ def _prefetch_slots(baseline: Sequence[fx.Node], policy: ReorderPolicy, buffers:
             chosen = next((a for a in reversed(allowed)
                            if before[wait] - before[math.ceil(a)] >= needed), chosen)
             # not past the next gather's earliest anchor (prefetch > 1), which it must precede
-            latest = min(anchors_of(index + 1), default=wait) if index + 1 < len(gathers) else wait
+            latest = min([wait, *anchors_of(index + 1)]) if index + 1 < len(gathers) else wait
             headroom = [below_peak[s] - in_flight.held_at(s)
                         for s in range(math.ceil(chosen), wait)]
-            chosen = _least_memory_issue(chosen, min(latest, wait), wait, needed, before, headroom)
+            chosen = _least_memory_issue(chosen, latest, wait, needed, before, headroom)
         issue[gather] = previous_issue = chosen
         in_flight.add(chosen, wait, nbytes)
     return issue
@@ -298,8 +298,8 @@ def _least_memory_issue(anchor: float, latest: float, wait: int, needed: float,
     lower and keeps a margin for the cost model's error. The anchor where no slot is covered
     that well or memory is no lower later."""
     first = math.ceil(anchor)
-    covered = [s for s in range(first, math.floor(latest + 0.5) + 1)
-               if s < wait and before[wait] - before[s] >= LATE_ISSUE_COVER * needed]
+    covered = [s for s in range(first, min(wait, math.floor(latest + 0.5) + 1))
+               if before[wait] - before[s] >= LATE_ISSUE_COVER * needed]
     if not covered:
         return anchor
     # worst[i]: the least headroom over slots first + i .. wait - 1 (grows with i)
