@@ -75,6 +75,14 @@ def inductor_compile_graph(gm: fx.GraphModule, example_inputs: Sequence[Any], gr
                                 is_inference=graph_kind == "inference")
 
 
+def free_storage_op():
+    """The op that frees a tensor's storage in place (resizes it to 0 bytes), whoever else
+    holds the tensor; Inductor lowers it as an ordered side effect (FSDP's compiled path frees
+    its all-gather buffers with it). Public replacement: none (untyped_storage().resize_(0)
+    is not an op a graph can carry)."""
+    return torch.ops.inductor.resize_storage_bytes_.default
+
+
 def inductor_compile(gm: fx.GraphModule, example_inputs: Sequence[Any]):
     """Inductor on a whole Dynamo graph (a model graphshard did not shard).
     Public replacement: torch._dynamo.lookup_backend("inductor") is no more public."""

@@ -16,7 +16,7 @@ import torch.fx as fx
 from torch.fx.experimental.symbolic_shapes import optimization_hint
 
 # Fake tensors are how a pass computes the shapes of the nodes it emits (private torch API).
-from graphshard._torch_compat import fake_mode_of_value, fake_tensor_mode, real_tensors
+from graphshard._torch_compat import fake_mode_of_value, fake_tensor_mode, free_storage_op, real_tensors
 
 aten = torch.ops.aten
 c10d = torch.ops._c10d_functional
@@ -26,6 +26,7 @@ REDUCE_SCATTER = c10d.reduce_scatter_tensor.default
 ALL_REDUCE = c10d.all_reduce.default
 WAIT = c10d.wait_tensor.default
 ALL_TO_ALL = c10d.all_to_all_single.default
+FREE_STORAGE = free_storage_op()  # (tensor, 0): frees the tensor's storage where it runs
 COLLECTIVES = {ALL_GATHER: "all_gather", REDUCE_SCATTER: "reduce_scatter", ALL_REDUCE: "all_reduce"}
 
 

@@ -222,6 +222,40 @@ def test_an_rnn_inside_a_compiled_model_trains_like_the_reference_across_batch_s
             assert torch.allclose(value, expected[name], atol=1e-5), name
 
 
+def test_inductor_frees_collective_buffers_after_the_wait_and_the_last_reader(gloo1):
+    """The graph frees a collective's buffers itself (a backend thread may still hold them after
+    the wait): Inductor must keep each free where the pass put it, the send buffer's after the
+    wait (nothing orders a free before the wait for Inductor but the graph's order), the
+    received buffer's after the matmul that reads it, and the result must not change."""
+    from torch._inductor.utils import run_and_get_code
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    from graphshard._torch_compat import inductor_compile_graph
+    from graphshard.passes.free_collective_buffers import free_collective_buffers
+    from graphshard.passes.graph_utils import ALL_TO_ALL, WAIT
+
+    group = dist.group.WORLD.group_name
+
+    def step(x, w):
+        send = torch.cat([x, x + 1])  # allocated by the graph, as a transport's send buffer
+        received = WAIT(ALL_TO_ALL(send, [16], [16], group))
+        return ((received @ w).relu().sum(),)
+
+    x, w = torch.randn(8, 32), torch.randn(32, 32)
+    gm = make_fx(step, tracing_mode="fake")(x, w)
+    for node in gm.graph.nodes:
+        if node.target is ALL_TO_ALL:  # as the transport stage marks the all-to-all it emits
+            node.meta["graphshard_lowered_from"] = "all_gather"
+    gm = free_collective_buffers(gm)
+    compiled, (code,) = run_and_get_code(lambda: inductor_compile_graph(gm, [x, w], "inference"))
+    lines = [line.strip() for line in code[code.index("def call"):].splitlines()]
+    wait = next(i for i, line in enumerate(lines) if "wait_tensor" in line)
+    matmul = next(i for i, line in enumerate(lines) if "extern_kernels.mm(" in line)
+    frees = [i for i, line in enumerate(lines) if "resize_storage_bytes_(" in line]
+    assert len(frees) == 2 and wait < frees[0] < matmul < frees[1], "\n".join(lines)
+    torch.testing.assert_close(compiled([x, w])[0], step(x, w)[0])
+
+
 def test_inductor_frees_each_buffer_at_its_last_use():
     """Inductor's buffer reuse keeps a dead buffer allocated until a later one of the same size
     takes it over; in our graphs that held a unit's collective buffers beside the next unit's

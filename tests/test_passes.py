@@ -591,3 +591,47 @@ def test_late_issue_meets_the_least_memory_the_margin_allows():
     assert issue(dip, needed=2.0) == 5.5  # covered twice over up to slot 6
     assert issue(dip, needed=2.5) == 4.5  # up to slot 5: the worst from there on is 3
     assert issue(dip, latest=4.5) == 4.5  # not past the next gather's anchor: up to slot 5
+
+
+@pytest.mark.parametrize("fake_pg", [2], indirect=True)
+@pytest.mark.parametrize("strategy, options", [
+    ("full_shard", {"all_gather": "all_to_all", "reduce_scatter": "all_to_all"}),
+    # unbucketed: each gathered weight is saved for backward as the collective's own output
+    ("shard_grad_op", {"all_gather": "native", "reduce_scatter": "native", "bucket_mb": 0}),
+])
+def test_each_collective_buffer_is_freed_after_its_last_reader_and_no_other(fake_pg, strategy, options):
+    """A finished collective's buffers may be held by the backend's thread after its wait (gloo:
+    until that thread runs again); the graph frees their storage itself, right after the last
+    node that reads them: a collective's input after its wait, its output after the last reader
+    of anything sharing it. Never a graph input nor a buffer an output shares (shard_grad_op's
+    forward keeps its gathered weights for backward). The predicted peak does not change."""
+    from graphshard.passes.graph_utils import FREE_STORAGE
+    from graphshard.passes.liveness import Buffers
+
+    model, inputs, loss_fn = _transformer()
+    graphs = capture_step(model, inputs, loss_fn, strategy=strategy, options=options)
+    for kind in ("forward", "backward"):
+        gm = graphs[(kind, "freed")]
+        before = graphs.get((kind, "transport"), graphs[(kind, "lowered")])  # the stage before
+        assert graph_memory(gm, kind).peak_bytes == graph_memory(before, kind).peak_bytes
+        buffers, order = Buffers(gm), node_order(gm.graph)
+        outputs = {b for n in gm.graph.output_node().all_input_nodes for b in buffers.owned[n]}
+        frees = {buffers.owned[f.args[0]]: f for f in call_nodes(gm, FREE_STORAGE)}
+        assert len(frees) == len(call_nodes(gm, FREE_STORAGE))  # one free per buffer
+        collectives = [n for n in gm.graph.nodes if is_collective(n)]
+        assert collectives
+        for collective in collectives:
+            for value, done in [*((v, wait_of(collective)) for v in collective.all_input_nodes),
+                                (collective, collective)]:
+                (buffer,) = buffers.owned[value]
+                if buffer in buffers.inputs or buffer in outputs:
+                    assert (buffer,) not in frees, (kind, value.name)
+                    continue
+                free = frees[(buffer,)]
+                sharing = [n for n in gm.graph.nodes if buffer in buffers.owned.get(n, ())]
+                readers = {u for n in sharing for u in n.users} - {free}
+                assert order[free] > max(order[done], *(order[r] for r in readers)), (kind, value.name)
+        if strategy == "shard_grad_op" and kind == "forward":  # the case of a kept gather exists
+            assert any(set(buffers.owned[c]) & outputs for c in collectives)
+        if strategy == "full_shard":  # all-to-all: whatever the collectives allocate is freed
+            assert {buffers.owned[c] for c in collectives} <= set(frees)

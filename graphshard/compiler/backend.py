@@ -40,6 +40,7 @@ from graphshard.passes.markers import ReduceSpec, UnshardSpec
 from graphshard.passes.bucket_collectives import bucket_collectives
 from graphshard.passes.insert_collectives import insert_collectives
 from graphshard.passes.all_gather_via_all_to_all import all_gather_via_all_to_all
+from graphshard.passes.free_collective_buffers import free_collective_buffers
 from graphshard.passes.merge_duplicate_unshards import merge_duplicate_unshards
 from graphshard.passes.reduce_scatter_via_all_to_all import reduce_scatter_via_all_to_all
 from graphshard.passes.reorder_collectives import ReorderPolicy, reorder_collectives
@@ -154,6 +155,8 @@ PIPELINE: tuple[Stage, ...] = (
     # After all analysis: the analysis reads collectives, the transport rewrites them.
     Stage("transport", "split", _transport, requires=("scheduled",),
           enabled=lambda options: bool(options.via_all_to_all(on_gloo=True))),
+    # Last: frees what the collectives that run actually hold.
+    Stage("freed", "split", free_collective_buffers, requires=("lowered",)),
 )
 STAGES: tuple[str, ...] = tuple(stage.name for stage in PIPELINE)
 _FAMILY = {"dynamo": "dynamo", "joint": "joint", "forward": "split", "backward": "split",

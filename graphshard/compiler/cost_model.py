@@ -22,8 +22,8 @@ import torch.fx as fx
 from torch.fx.experimental.symbolic_shapes import optimization_hint
 from torch.utils.flop_counter import flop_registry
 
-from graphshard.passes.graph_utils import (COLLECTIVES, collective_group, collective_kind, is_collective,
-                                          is_view, is_wait)
+from graphshard.passes.graph_utils import (COLLECTIVES, FREE_STORAGE, collective_group, collective_kind,
+                                          is_collective, is_view, is_wait)
 
 aten = torch.ops.aten
 Sym = Union[int, float, sympy.Expr]  # a number, or a formula in e.g. sympy.Symbol("N")
@@ -272,13 +272,13 @@ def _node_val(node: Any) -> Any:
 def node_cost(node: fx.Node, spec: ClusterSpec, *, symbolic: bool = False) -> NodeCost:
     """Roofline cost of one compute node: max(flops/peak, bytes/mem_bw) + kernel overhead.
 
-    Zero for placeholders, outputs, get_attr, views, getitem, non-aten calls (SymInt math)
+    Zero for placeholders, outputs, get_attr, views, getitem, frees, non-aten calls (SymInt math)
     and collectives/waits (those are collective_node_cost's). FLOPs come from
     torch.utils.flop_counter's registry (matmuls, convolutions, attention and their
     backwards); every other op is memory-bound: bytes = inputs + output.
     """
     if (node.op != "call_function" or is_collective(node) or is_wait(node) or is_view(node)
-            or not isinstance(node.target, torch._ops.OpOverload)):
+            or node.target is FREE_STORAGE or not isinstance(node.target, torch._ops.OpOverload)):
         return ZERO_COST
     zero = sympy.Integer(0) if symbolic else 0
     flops = zero
