@@ -10,8 +10,12 @@ buffer's storage to zero frees its bytes whoever still holds the tensor object; 
 already counts each buffer freed at its last use, so the schedule and the predicted peak do not
 change. FSDP frees its all-gather buffers the same way.
 
-Only buffers the graph allocated and nothing later reads: never a graph input, nor a buffer an
+Only buffers the graph allocated and nothing later reads, counting the parts of a concatenation
+as readers of its buffer (Inductor computes them into it): never a graph input, nor a buffer an
 output shares (saved for backward, a gradient), and a collective's input only after its wait.
+Never a buffer an all-reduce reads: Inductor runs the all-reduce in place on a copy of its input
+and drops the copy where it can, so the input's buffer may become the result (hybrid sharding's
+reduce-scatter output, all-reduced across replicas, is returned as the gradient).
 
 Runs last, after the transport: it frees what the collectives that run actually hold.
 """
@@ -22,7 +26,8 @@ import torch
 import torch.fx as fx
 
 from graphshard.passes.context import PassContext
-from graphshard.passes.graph_utils import FREE_STORAGE, finalize_graph, is_collective, node_order, wait_of
+from graphshard.passes.graph_utils import (ALL_REDUCE, FREE_STORAGE, aten, finalize_graph, is_collective,
+                                          node_order, wait_of)
 from graphshard.passes.liveness import Buffers
 
 
@@ -34,16 +39,27 @@ def free_collective_buffers(gm: fx.GraphModule, ctx: PassContext | None = None) 
     for node in graph.nodes:
         for b in buffers.owned.get(node, ()):
             holders.setdefault(b, []).append(node)
+    collectives = [n for n in graph.nodes if is_collective(n)]
     kept = set(buffers.inputs)
     kept.update(b for node in graph.output_node().all_input_nodes for b in buffers.owned.get(node, ()))
+    kept.update(b for c in collectives if c.target is ALL_REDUCE
+                for value in c.all_input_nodes for b in buffers.owned.get(value, ()))
+
+    def sharing(b: int) -> list[fx.Node]:
+        """The nodes whose value may live in buffer `b` once compiled: those that share it, and
+        the parts of a concatenation, which Inductor computes straight into its buffer."""
+        parts = {pb for h in holders[b] if h.target is aten.cat.default for part in h.args[0]
+                 for pb in buffers.owned.get(part, ()) if pb not in buffers.inputs}
+        return [*holders[b], *(n for pb in parts for n in holders[pb])]
+
+    def read_until(node: fx.Node) -> fx.Node:  # a collective reads its input until its wait
+        return wait_of(node) if is_collective(node) else node
 
     last_use: dict[int, fx.Node] = {}  # collective buffer -> the node after which it is dead
-    for collective in [n for n in graph.nodes if is_collective(n)]:
-        read_until = {value: wait_of(collective) for value in collective.all_input_nodes}
-        read_until[collective] = collective
-        for value, done in read_until.items():
+    for collective in collectives:
+        for value in (collective, *collective.all_input_nodes):
             for b in set(buffers.owned.get(value, ())) - kept:
-                readers = [done, *holders[b], *(user for h in holders[b] for user in h.users)]
+                readers = [read_until(n) for h in sharing(b) for n in (h, *h.users)]
                 last_use[b] = max(readers, key=order.__getitem__)
     for b, last in last_use.items():
         tensor = next((h for h in holders[b] if _storage_is(h, buffers, b)), None)

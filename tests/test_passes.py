@@ -17,7 +17,7 @@ from graphshard.compiler.options import GraphshardOptions
 from graphshard.passes.context import PassContext
 from graphshard.passes.bucket_collectives import bucket_collectives, plan_buckets
 from graphshard.passes.graph_utils import (
-    ALL_GATHER, REDUCE_SCATTER, GraphEmitter, aten, collective_kind, collective_params, dim0_chunk,
+    ALL_GATHER, ALL_REDUCE, REDUCE_SCATTER, GraphEmitter, aten, collective_kind, collective_params, dim0_chunk,
     is_collective, is_wait, list_schedule, node_order, wait_of,
 )
 from graphshard.passes.liveness import graph_memory, memory_estimate
@@ -593,23 +593,30 @@ def test_late_issue_meets_the_least_memory_the_margin_allows():
     assert issue(dip, latest=4.5) == 4.5  # not past the next gather's anchor: up to slot 5
 
 
-@pytest.mark.parametrize("fake_pg", [2], indirect=True)
-@pytest.mark.parametrize("strategy, options", [
-    ("full_shard", {"all_gather": "all_to_all", "reduce_scatter": "all_to_all"}),
+@pytest.mark.parametrize("fake_pg, strategy, options", [
+    (2, "full_shard", {"all_gather": "all_to_all", "reduce_scatter": "all_to_all"}),
     # unbucketed: each gathered weight is saved for backward as the collective's own output
-    ("shard_grad_op", {"all_gather": "native", "reduce_scatter": "native", "bucket_mb": 0}),
-])
+    (2, "shard_grad_op", {"all_gather": "native", "reduce_scatter": "native", "bucket_mb": 0}),
+    # 2 x 2: the reduce-scatter's output is all-reduced across replicas and returned
+    (4, "hybrid_shard", {"all_gather": "native", "reduce_scatter": "native"}),
+], indirect=["fake_pg"])
 def test_each_collective_buffer_is_freed_after_its_last_reader_and_no_other(fake_pg, strategy, options):
     """A finished collective's buffers may be held by the backend's thread after its wait (gloo:
     until that thread runs again); the graph frees their storage itself, right after the last
     node that reads them: a collective's input after its wait, its output after the last reader
-    of anything sharing it. Never a graph input nor a buffer an output shares (shard_grad_op's
-    forward keeps its gathered weights for backward). The predicted peak does not change."""
+    of anything sharing it (a collective reads until its wait). Never a graph input, a buffer an
+    output shares (shard_grad_op's forward keeps its gathered weights for backward) or one an
+    all-reduce reads (Inductor may make it the result). The predicted peak does not change."""
     from graphshard.passes.graph_utils import FREE_STORAGE
     from graphshard.passes.liveness import Buffers
 
     model, inputs, loss_fn = _transformer()
-    graphs = capture_step(model, inputs, loss_fn, strategy=strategy, options=options)
+    shard_kwargs = {}
+    if strategy == "hybrid_shard":
+        from torch.distributed.device_mesh import init_device_mesh
+        shard_kwargs["mesh"] = init_device_mesh("cpu", (2, fake_pg // 2))
+    graphs = capture_step(model, inputs, loss_fn, strategy=strategy, options=options,
+                          shard_kwargs=shard_kwargs)
     for kind in ("forward", "backward"):
         gm = graphs[(kind, "freed")]
         before = graphs.get((kind, "transport"), graphs[(kind, "lowered")])  # the stage before
@@ -620,17 +627,23 @@ def test_each_collective_buffer_is_freed_after_its_last_reader_and_no_other(fake
         assert len(frees) == len(call_nodes(gm, FREE_STORAGE))  # one free per buffer
         collectives = [n for n in gm.graph.nodes if is_collective(n)]
         assert collectives
+        all_reduced = {b for c in collectives if c.target is ALL_REDUCE
+                       for v in c.all_input_nodes for b in buffers.owned[v]}
+        assert not {b for (b,) in frees} & all_reduced
+        if strategy == "hybrid_shard" and kind == "backward":  # the case exists
+            assert all_reduced
         for collective in collectives:
             for value, done in [*((v, wait_of(collective)) for v in collective.all_input_nodes),
                                 (collective, collective)]:
                 (buffer,) = buffers.owned[value]
-                if buffer in buffers.inputs or buffer in outputs:
+                if buffer in buffers.inputs or buffer in outputs or buffer in all_reduced:
                     assert (buffer,) not in frees, (kind, value.name)
                     continue
                 free = frees[(buffer,)]
                 sharing = [n for n in gm.graph.nodes if buffer in buffers.owned.get(n, ())]
-                readers = {u for n in sharing for u in n.users} - {free}
-                assert order[free] > max(order[done], *(order[r] for r in readers)), (kind, value.name)
+                readers = {wait_of(u) if is_collective(u) else u for n in sharing for u in n.users}
+                assert order[free] > max(order[done], *(order[r] for r in readers - {free})), \
+                    (kind, value.name)
         if strategy == "shard_grad_op" and kind == "forward":  # the case of a kept gather exists
             assert any(set(buffers.owned[c]) & outputs for c in collectives)
         if strategy == "full_shard":  # all-to-all: whatever the collectives allocate is freed
