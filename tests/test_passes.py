@@ -642,9 +642,42 @@ def test_each_collective_buffer_is_freed_after_its_last_reader_and_no_other(fake
                 free = frees[(buffer,)]
                 sharing = [n for n in gm.graph.nodes if buffer in buffers.owned.get(n, ())]
                 readers = {wait_of(u) if is_collective(u) else u for n in sharing for u in n.users}
-                assert order[free] > max(order[done], *(order[r] for r in readers - {free})), \
+                assert order[free] > max([order[done], *(order[r] for r in readers - {free})]), \
                     (kind, value.name)
         if strategy == "shard_grad_op" and kind == "forward":  # the case of a kept gather exists
             assert any(set(buffers.owned[c]) & outputs for c in collectives)
         if strategy == "full_shard":  # all-to-all: whatever the collectives allocate is freed
             assert {buffers.owned[c] for c in collectives} <= set(frees)
+
+
+@pytest.mark.parametrize("fake_pg", [2], indirect=True)
+def test_a_send_buffer_outlives_every_reader_of_the_parts_concatenated_into_it(fake_pg):
+    """Inductor computes a concatenation's parts straight into its buffer, so a part read after
+    the collective's wait is read from the send buffer: the buffer is freed only after that read
+    (and, without such a read, right after the wait)."""
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    from graphshard.passes.free_collective_buffers import free_collective_buffers
+    from graphshard.passes.graph_utils import ALL_TO_ALL, FREE_STORAGE, WAIT
+
+    group = dist.group.WORLD.group_name
+
+    def step(x, part_read_late):
+        part = x * 2
+        received = WAIT(ALL_TO_ALL(torch.cat([part, part]), [8, 8], [8, 8], group))
+        return (received.sum() + part.sum(),) if part_read_late else (received.sum(),)
+
+    for late in (True, False):
+        gm = make_fx(lambda x: step(x, late), tracing_mode="fake")(torch.randn(8, 4))
+        for node in call_nodes(gm, ALL_TO_ALL):  # as the transport stage marks what it emits
+            node.meta["graphshard_lowered_from"] = "all_gather"
+        gm = free_collective_buffers(gm)
+        order = node_order(gm.graph)
+        (cat,) = call_nodes(gm, aten.cat.default)
+        (free,) = [f for f in call_nodes(gm, FREE_STORAGE) if f.args[0] is cat]
+        (wait,) = call_nodes(gm, WAIT)
+        part_readers = [u for u in cat.args[0][0].users if u is not cat]
+        assert bool(part_readers) == late
+        assert order[free] > max([order[wait], *(order[u] for u in part_readers)])
+        if not late:
+            assert free.prev is wait
