@@ -10,9 +10,11 @@ buffer's storage to zero frees its bytes whoever still holds the tensor object; 
 already counts each buffer freed at its last use, so the schedule and the predicted peak do not
 change. FSDP frees its all-gather buffers the same way.
 
-Only buffers the graph allocated and nothing later reads, counting the parts of a concatenation
-as readers of its buffer (Inductor computes them into it): never a graph input, nor a buffer an
-output shares (saved for backward, a gradient), and a collective's input only after its wait.
+Only buffers the graph allocated and nothing later reads, counting as readers of a buffer those of
+a concatenation's parts (Inductor computes them into it) and of any op Inductor may drop as a
+no-op (a clone of a gathered weight is the weight): never a graph input, nor a buffer an output
+shares (saved for backward, a gradient), and a collective's input only after its wait (any op
+with a wait reads until it).
 Never a buffer an all-reduce reads: Inductor runs the all-reduce in place on a copy of its input
 and drops the copy where it can, so the input's buffer may become the result (hybrid sharding's
 reduce-scatter output, all-reduced across replicas, is returned as the gradient).
@@ -27,7 +29,7 @@ import torch.fx as fx
 
 from graphshard.passes.context import PassContext
 from graphshard.passes.graph_utils import (ALL_REDUCE, FREE_STORAGE, aten, finalize_graph, is_collective,
-                                          node_order, wait_of)
+                                          is_wait, node_order)
 from graphshard.passes.liveness import Buffers
 
 
@@ -45,21 +47,35 @@ def free_collective_buffers(gm: fx.GraphModule, ctx: PassContext | None = None) 
     kept.update(b for c in collectives if c.target is ALL_REDUCE
                 for value in c.all_input_nodes for b in buffers.owned.get(value, ()))
 
-    def sharing(b: int) -> list[fx.Node]:
-        """The nodes whose value may live in buffer `b` once compiled: those that share it, and
-        the parts of a concatenation, which Inductor computes straight into its buffer."""
-        parts = {pb for h in holders[b] if h.target is aten.cat.default for part in h.args[0]
-                 for pb in buffers.owned.get(part, ()) if pb not in buffers.inputs}
-        return [*holders[b], *(n for pb in parts for n in holders[pb])]
+    def sharing(b: int) -> set[fx.Node]:
+        """The nodes whose value may live in buffer `b` once Inductor has compiled the graph:
+        those that share it; the parts of a concatenation, which Inductor computes straight into
+        its buffer; and what Inductor may drop as a no-op, any op whose result has its input's
+        shape, strides and dtype (a clone, a same-dtype conversion: the result is the input)."""
+        parts = [n for h in holders[b] if h.target is aten.cat.default for part in h.args[0]
+                 for pb in buffers.owned.get(part, ()) if pb not in buffers.inputs for n in holders[pb]]
+        found: set[fx.Node] = set()
+        pending = [*holders[b], *parts]
+        while pending:
+            node = pending.pop()
+            if node not in found:
+                found.add(node)
+                pending.extend(n for nb in buffers.owned.get(node, ()) for n in holders[nb])
+                pending.extend(user for user in node.users if _maybe_no_op(user, node))
+        return found
 
     def read_until(node: fx.Node) -> fx.Node:  # a collective reads its input until its wait
-        return wait_of(node) if is_collective(node) else node
+        waits = [user for user in node.users if is_wait(user)]
+        return max(waits, key=order.__getitem__) if waits else node
 
     last_use: dict[int, fx.Node] = {}  # collective buffer -> the node after which it is dead
     for collective in collectives:
         for value in (collective, *collective.all_input_nodes):
             for b in set(buffers.owned.get(value, ())) - kept:
-                readers = [read_until(n) for h in sharing(b) for n in (h, *h.users)]
+                shared = sharing(b)
+                if any(set(buffers.owned.get(n, ())) & kept for n in shared):
+                    continue  # may be an input or an output once compiled
+                readers = [read_until(n) for h in shared for n in (h, *h.users)]
                 last_use[b] = max(readers, key=order.__getitem__)
     for b, last in last_use.items():
         tensor = next((h for h in holders[b] if _storage_is(h, buffers, b)), None)
@@ -69,6 +85,19 @@ def free_collective_buffers(gm: fx.GraphModule, ctx: PassContext | None = None) 
             freed = graph.call_function(FREE_STORAGE, (tensor, 0))
         freed.meta["val"] = None
     return finalize_graph(gm)
+
+
+def _maybe_no_op(node: fx.Node, source: fx.Node) -> bool:
+    """Whether Inductor may replace `node` by `source`, its first input (Inductor's no-op
+    removal only drops ops whose result has the input's shape, strides and dtype)."""
+    if node.op != "call_function" or not node.args or node.args[0] is not source:
+        return False
+    if is_wait(node) or any(is_wait(user) for user in node.users):  # a collective, not a no-op
+        return False
+    source, result = node.args[0].meta.get("val"), node.meta.get("val")
+    return (isinstance(source, torch.Tensor) and isinstance(result, torch.Tensor)
+            and result.shape == source.shape and result.stride() == source.stride()
+            and result.dtype == source.dtype)
 
 
 def _storage_is(node: fx.Node, buffers: Buffers, b: int) -> bool:

@@ -226,7 +226,8 @@ def test_inductor_frees_collective_buffers_after_the_wait_and_the_last_reader(gl
     """The graph frees a collective's buffers itself (a backend thread may still hold them after
     the wait): Inductor must keep each free where the pass put it, the send buffer's after the
     wait (nothing orders a free before the wait for Inductor but the graph's order), the
-    received buffer's after the matmul that reads it, and the result must not change."""
+    received buffer's after the matmul that reads it through a clone Inductor drops as a no-op,
+    and the result must not change."""
     from torch._inductor.utils import run_and_get_code
     from torch.fx.experimental.proxy_tensor import make_fx
 
@@ -239,7 +240,8 @@ def test_inductor_frees_collective_buffers_after_the_wait_and_the_last_reader(gl
     def step(x, w):
         send = torch.cat([x, x + 1])  # allocated by the graph, as a transport's send buffer
         received = WAIT(ALL_TO_ALL(send, [16], [16], group))
-        return ((received @ w).relu().sum(),)
+        weight_copy = received.clone()  # Inductor drops the clone: the matmul reads `received`
+        return ((weight_copy @ w).relu().sum(),)
 
     x, w = torch.randn(8, 32), torch.randn(32, 32)
     gm = make_fx(step, tracing_mode="fake")(x, w)
