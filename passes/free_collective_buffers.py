@@ -71,7 +71,7 @@ def free_collective_buffers(gm: fx.GraphModule, ctx: PassContext | None = None) 
     last_use: dict[int, fx.Node] = {}  # collective buffer -> the node after which it is dead
     for collective in collectives:
         for value in (collective, *collective.all_input_nodes):
-            for b in set(buffers.owned.get(value, ())) - kept:
+            for b in set(buffers.owned.get(value, ())) - kept - last_use.keys():  # once per buffer
                 shared = sharing(b)
                 if any(set(buffers.owned.get(n, ())) & kept for n in shared):
                     continue  # may be an input or an output once compiled
@@ -94,10 +94,10 @@ def _maybe_no_op(node: fx.Node, source: fx.Node) -> bool:
         return False
     if is_wait(node) or any(is_wait(user) for user in node.users):  # a collective, not a no-op
         return False
-    source, result = node.args[0].meta.get("val"), node.meta.get("val")
-    return (isinstance(source, torch.Tensor) and isinstance(result, torch.Tensor)
-            and result.shape == source.shape and result.stride() == source.stride()
-            and result.dtype == source.dtype)
+    before, after = source.meta.get("val"), node.meta.get("val")
+    return (isinstance(before, torch.Tensor) and isinstance(after, torch.Tensor)
+            and after.shape == before.shape and after.stride() == before.stride()
+            and after.dtype == before.dtype)
 
 
 def _storage_is(node: fx.Node, buffers: Buffers, b: int) -> bool:
