@@ -229,3 +229,15 @@ def fake_tensor_mode():
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     return FakeTensorMode(allow_non_fake_inputs=True)
+
+
+def sharded_like(param, local: torch.Tensor):
+    """`local` (this rank's shard, param's dtype and local shape) as a DTensor laid out like the
+    DTensor `param`, without DTensor.from_local's autograd Function and spec building: ~4 us
+    against ~40 us, for every gradient of every step. Public replacement: DTensor.from_local."""
+    from torch.distributed.tensor import DTensor
+
+    if local.dtype != param.dtype or local.shape != param._local_tensor.shape:
+        return DTensor.from_local(local, param.device_mesh, param.placements, run_check=False,
+                                  shape=param.shape, stride=param.stride())
+    return DTensor(local, param._spec, requires_grad=False)

@@ -23,7 +23,7 @@ from torch.utils._pytree import tree_map
 from graphshard.grad_sync import GradSync, unshard_for_grad_sync
 from graphshard.state import (GRAD_SYNC_ATTR, LOCALS_ATTR, SPECS_ATTR, STATE_ATTR, ShardState,
                               is_sharded, shard_state)
-from graphshard._torch_compat import run_eagerly_when_called_from_eager_code
+from graphshard._torch_compat import run_eagerly_when_called_from_eager_code, sharded_like
 from graphshard.compiler.ops import call_unshard
 from graphshard.passes.markers import UnshardSpec
 from graphshard.policy import MixedPrecisionPolicy, ShardingStrategy, resolve_mixed_precision
@@ -54,8 +54,7 @@ def _grad_mover(param: nn.Parameter) -> Callable[[torch.Tensor], None]:
         if leaf.grad is None:  # a no-sync backward handed its gradient elsewhere
             return
         with torch.no_grad():
-            grad = DTensor.from_local(leaf.grad, param.device_mesh, param.placements,
-                                      run_check=False, shape=param.shape, stride=param.stride())
+            grad = sharded_like(param, leaf.grad)
             leaf.grad = None
             if param.grad is None:
                 param.grad = grad

@@ -7,11 +7,15 @@ collectives of the same kind, process group and dtype become one collective on o
 packed in parameter registration order (FSDP2's copy-in / copy-out layout):
 
     all-gather:      cat(flat shards) -> all_gather -> wait -> view (N, S) -> split_copy columns
-    reduce-scatter:  per-param (N, n_i) views -> cat(dim=1) -> reduce_scatter -> wait -> split_copy
-    all-reduce:      cat(flat grads) -> all_reduce -> wait -> split_copy
+    reduce-scatter:  per-param (N, n_i) views -> cat(dim=1) -> reduce_scatter -> wait -> split views
+    all-reduce:      cat(flat grads) -> all_reduce -> wait -> split views
 
 (split_copy: graphshard/compiler/ops.py, one call per bucket that Inductor does not generate a
-kernel for.)
+kernel for.) A gathered parameter is a strided column block of its bucket, so it is copied out; a
+reduced gradient is a contiguous row slice, so it stays a view: the gradients of a bucket are
+produced together and live until the optimizer has used them, so sharing the bucket's storage
+keeps nothing alive longer and saves a copy of every gradient (FSDP2 views its reduce-scatter
+output the same way).
 
 A size cap (bucket_mb, unsharded bytes) splits large units; different dtypes never share one.
 """
@@ -137,14 +141,22 @@ def _rewrite_all_gather(gm: fx.GraphModule, bucket: Bucket, fake_mode) -> None:
         gathered = emit(WAIT, emit(ALL_GATHER, flat, group_size, group_name))
         rows = emit(aten.view.default, gathered, [group_size, sum(numels)])
         # (N, n_i) columns -> (N * rows_i, *rest): the per-parameter gathered layout
-        outputs = _copy_out(emit, rows, 1, members, numels)
+        outputs = _copy_out(emit, rows, members, numels)
     _replace_members(gm, members, outputs)
 
 
-def _copy_out(emit, buffer, dim: int, members: list[fx.Node], numels: list[int]) -> list[fx.Node]:
-    """Each member's slice of a bucket buffer (along `dim`), copied out in the member's shape
-    (the copy: a column slice is strided, and a row slice must not keep the bucket alive)."""
-    pieces = emit(torch.ops.graphshard.split_copy.default, buffer, numels, dim)  # compiler/ops.py
+def _copy_out(emit, rows, members: list[fx.Node], numels: list[int]) -> list[fx.Node]:
+    """Each member's column block of a gathered (N, S) bucket, copied out in its shape."""
+    pieces = emit(torch.ops.graphshard.split_copy.default, rows, numels, 1)  # compiler/ops.py
+    return _shaped(emit, pieces, members)
+
+
+def _views_out(emit, flat, members: list[fx.Node], numels: list[int]) -> list[fx.Node]:
+    """Each member's slice of a reduced flat bucket, as a view in its shape."""
+    return _shaped(emit, emit(aten.split_with_sizes.default, flat, numels), members)
+
+
+def _shaped(emit, pieces: fx.Node, members: list[fx.Node]) -> list[fx.Node]:
     return [emit(aten.view.default, emit(operator.getitem, pieces, index),
                  list(member.meta["val"].shape))
             for index, member in enumerate(members)]
@@ -179,7 +191,7 @@ def _rewrite_reduce(gm: fx.GraphModule, bucket: Bucket, fake_mode) -> None:
             numels = [f.meta["val"].shape[0] for f in flats]
             reduced = emit(WAIT, emit(ALL_REDUCE, emit(aten.cat.default, flats), "sum", group_name))
             reduced.args[0].meta["graphshard_group_size"] = group_size
-        outputs = _copy_out(emit, reduced, 0, members, numels)
+        outputs = _views_out(emit, reduced, members, numels)
     _replace_members(gm, members, outputs)
 
 

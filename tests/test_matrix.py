@@ -103,6 +103,8 @@ def test_matrix_covers_every_pair_of_feature_values():
 
 
 def _check(config: Config, world: int, run) -> str:
+    if not config.accumulate:  # a bucket's reduced gradients are views of it, not copies
+        assert all(storages < grads for storages, grads in run.grad_storages), run.grad_storages
     parts = world * (2 if config.accumulate else 1)
     training = config.training(world)
     fp32_ref = reference(dataclasses.replace(training, param_dtype=None, reduce_dtype=None))

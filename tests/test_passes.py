@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import operator
 
 import pytest
 import torch
@@ -117,6 +118,28 @@ def test_bucketed_graph_is_valid_and_uneven_shards_keep_their_shapes():
     after.graph.lint()
     assert [tuple(v.meta["val"].shape) for v in after.graph.output_node().args[0]] == shapes
     assert len(call_nodes(after, ALL_GATHER)) == 1 and len(call_nodes(after, REDUCE_SCATTER)) == 1
+
+
+def test_reduced_gradients_are_views_of_their_bucket_and_gathered_parameters_are_copies():
+    params = [("layers.0.a", (11, 3), torch.float32), ("layers.0.b", (5,), torch.float32),
+              ("layers.0.c", (8, 7), torch.float32)]
+    gm = bucket_collectives(gather_graph(4, params, backward=True), ctx(bucket_mb=64))
+    views = {aten.view.default, aten.slice.Tensor, aten.split_with_sizes.default, operator.getitem}
+
+    def through_views(node):
+        while node.op == "call_function" and node.target in views:
+            node = node.args[0]
+        return node
+
+    outputs = gm.graph.output_node().args[0]
+    grads, products = outputs[1::2], outputs[0::2]
+    # every gradient is a view of the one reduce-scatter's result: no copy per gradient
+    (source,) = {through_views(g) for g in grads}
+    assert is_wait(source) and source.args[0].target is REDUCE_SCATTER
+    # a gathered parameter is a strided column block of its bucket: copied out, in one call
+    (copy,) = {through_views(p.args[0]) for p in products}
+    assert copy.target is torch.ops.graphshard.split_copy.default
+    assert through_views(copy.args[0]).args[0].target is ALL_GATHER
 
 
 def _compute_nodes_between(gm, start, end):

@@ -62,6 +62,9 @@ class TrainResult:
     params: dict[str, torch.Tensor] = field(default_factory=dict)  # full, after the last step
     grad_problems: list[str] = field(default_factory=list)  # see grad_layout_problems, any step
     early_grads: list[str] = field(default_factory=list)  # .grad set by a micro-batch not synced
+    # per step: (distinct storages under the local gradients, gradients): buckets' gradients
+    # that are views of the reduced bucket share its storage
+    grad_storages: list[tuple[int, int]] = field(default_factory=list)
 
 
 def grad_layout_problems(model: torch.nn.Module) -> list[str]:
@@ -136,6 +139,9 @@ def train(rank: int, world: int, runs: list[Training]) -> list[TrainResult]:
                 result.grads.append({n: p.grad.full_tensor() for n, p in model.named_parameters()
                                      if p.grad is not None})
             result.grad_problems += grad_layout_problems(model)
+            local_grads = [p.grad.to_local() for p in model.parameters() if p.grad is not None]
+            result.grad_storages.append(
+                (len({g.untyped_storage().data_ptr() for g in local_grads}), len(local_grads)))
             if run.max_norm is not None:
                 norm = torch.nn.utils.clip_grad_norm_(list(model.parameters()), run.max_norm)
                 result.norms.append(float(norm.full_tensor() if isinstance(norm, DTensor) else norm))
