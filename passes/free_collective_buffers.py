@@ -17,7 +17,8 @@ shares (saved for backward, a gradient), and a collective's input only after its
 with a wait reads until it).
 Never a buffer an all-reduce reads: Inductor runs the all-reduce in place on a copy of its input
 and drops the copy where it can, so the input's buffer may become the result (hybrid sharding's
-reduce-scatter output, all-reduced across replicas, is returned as the gradient).
+reduce-scatter output, all-reduced across replicas, is returned as the gradient); nor one whose
+views are concatenated back whole (Inductor may replace that concatenation by the buffer itself).
 
 Runs last, after the transport: it frees what the collectives that run actually hold.
 """
@@ -61,7 +62,8 @@ def free_collective_buffers(gm: fx.GraphModule, ctx: PassContext | None = None) 
             if node not in found:
                 found.add(node)
                 pending.extend(n for nb in buffers.owned.get(node, ()) for n in holders[nb])
-                pending.extend(user for user in node.users if _maybe_no_op(user, node))
+                pending.extend(user for user in node.users
+                               if _maybe_no_op(user, node) or _rejoins(user, b, buffers))
         return found
 
     def read_until(node: fx.Node) -> fx.Node:  # a collective reads its input until its wait
@@ -98,6 +100,15 @@ def _maybe_no_op(node: fx.Node, source: fx.Node) -> bool:
     return (isinstance(before, torch.Tensor) and isinstance(after, torch.Tensor)
             and after.shape == before.shape and after.stride() == before.stride()
             and after.dtype == before.dtype)
+
+
+def _rejoins(node: fx.Node, b: int, buffers: Buffers) -> bool:
+    """Whether `node` concatenates nothing but views of buffer `b`: Inductor replaces a
+    concatenation of a split's pieces, in order, by the split buffer itself (hybrid sharding's
+    all-reduce of a reduce-scatter's gradients could then read that buffer, not a copy)."""
+    return (node.op == "call_function" and node.target is aten.cat.default
+            and all(isinstance(part, fx.Node) and buffers.owned.get(part) == (b,)
+                    for part in node.args[0]))
 
 
 def _storage_is(node: fx.Node, buffers: Buffers, b: int) -> bool:

@@ -18,7 +18,8 @@ BUDGET_FRACTION = 0.6
 
 
 def _state_bytes(tensors) -> int:
-    return sum(t.untyped_storage().nbytes() for t in tensors)
+    """Bytes of the distinct storages under `tensors` (a bucket's gradients share one)."""
+    return sum({t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in tensors}.values())
 
 
 def _local(t):

@@ -628,8 +628,9 @@ def test_each_collective_buffer_is_freed_after_its_last_reader_and_no_other(fake
     until that thread runs again); the graph frees their storage itself, right after the last
     node that reads them: a collective's input after its wait, its output after the last reader
     of anything sharing it (a collective reads until its wait). Never a graph input, a buffer an
-    output shares (shard_grad_op's forward keeps its gathered weights for backward) or one an
-    all-reduce reads (Inductor may make it the result). The predicted peak does not change."""
+    output shares (shard_grad_op's forward keeps its gathered weights for backward), one an
+    all-reduce reads (Inductor may make it the result) or one whose views a concatenation
+    joins back whole (Inductor may make it the concatenation). The predicted peak does not change."""
     from graphshard.passes.graph_utils import FREE_STORAGE
     from graphshard.passes.liveness import Buffers
 
@@ -653,13 +654,17 @@ def test_each_collective_buffer_is_freed_after_its_last_reader_and_no_other(fake
         all_reduced = {b for c in collectives if c.target is ALL_REDUCE
                        for v in c.all_input_nodes for b in buffers.owned[v]}
         assert not {b for (b,) in frees} & all_reduced
-        if strategy == "hybrid_shard" and kind == "backward":  # the case exists
-            assert all_reduced
+        # a buffer whose views are concatenated back whole: Inductor may use it for the cat
+        rejoined = {buffers.owned[c.args[0][0]][0] for c in call_nodes(gm, aten.cat.default)
+                    if len({buffers.owned[p] for p in c.args[0]}) == 1
+                    and len(buffers.owned[c.args[0][0]]) == 1}
+        if strategy == "hybrid_shard" and kind == "backward":  # the cases exist
+            assert all_reduced and rejoined - buffers.inputs
         for collective in collectives:
             for value, done in [*((v, wait_of(collective)) for v in collective.all_input_nodes),
                                 (collective, collective)]:
                 (buffer,) = buffers.owned[value]
-                if buffer in buffers.inputs or buffer in outputs or buffer in all_reduced:
+                if buffer in buffers.inputs | outputs | all_reduced | rejoined:
                     assert (buffer,) not in frees, (kind, value.name)
                     continue
                 free = frees[(buffer,)]
