@@ -9,6 +9,7 @@ packed in parameter registration order (FSDP2's copy-in / copy-out layout):
     all-gather:      cat(flat shards) -> all_gather -> wait -> view (N, S) -> split_copy columns
     reduce-scatter:  per-param (N, n_i) views -> cat(dim=1) -> reduce_scatter -> wait -> split views
     all-reduce:      cat(flat grads) -> all_reduce -> wait -> split views
+                     (hybrid: a reduce-scatter bucket's output, whole, instead of the cat)
 
 (split_copy: graphshard/compiler/ops.py, one call per bucket that Inductor does not generate a
 kernel for.) A gathered parameter is a strided column block of its bucket, so it is copied out; a
@@ -162,6 +163,21 @@ def _shaped(emit, pieces: fx.Node, members: list[fx.Node]) -> list[fx.Node]:
             for index, member in enumerate(members)]
 
 
+def _split_source(pieces: list[fx.Node]) -> fx.Node | None:
+    """The flat tensor that `pieces` are all the `_views_out` views of, in order, else None."""
+    sources = []
+    for index, piece in enumerate(pieces):
+        item = piece.args[0] if piece.target is aten.view.default else None
+        if item is None or item.target is not operator.getitem or item.args[1] != index:
+            return None
+        sources.append(item.args[0])
+    split = sources[0]
+    if (any(source is not split for source in sources)
+            or split.target is not aten.split_with_sizes.default or len(split.args[1]) != len(pieces)):
+        return None
+    return split.args[0]
+
+
 def _replace_members(gm: fx.GraphModule, members: list[fx.Node], outputs: list[fx.Node]) -> None:
     """Point each member collective's users at the bucket's output; drop the member."""
     for member, out in zip(members, outputs):
@@ -189,7 +205,10 @@ def _rewrite_reduce(gm: fx.GraphModule, bucket: Bucket, fake_mode) -> None:
         else:
             flats = [emit(aten.reshape.default, x, [-1]) for x in inputs]
             numels = [f.meta["val"].shape[0] for f in flats]
-            reduced = emit(WAIT, emit(ALL_REDUCE, emit(aten.cat.default, flats), "sum", group_name))
+            # Hybrid sharding: the replicas' all-reduce of a reduce-scatter bucket's gradients
+            # reads that bucket whole (no concatenation copying it back together).
+            flat = _split_source(inputs) or emit(aten.cat.default, flats)
+            reduced = emit(WAIT, emit(ALL_REDUCE, flat, "sum", group_name))
             reduced.args[0].meta["graphshard_group_size"] = group_size
         outputs = _views_out(emit, reduced, members, numels)
     _replace_members(gm, members, outputs)

@@ -33,15 +33,18 @@ MB = 2**20
 # --------------------------------------------------------------------------- hand-built graphs
 
 
-def gather_graph(world: int, params, use_order=None, backward=False) -> fx.GraphModule:
+def gather_graph(world: int, params, use_order=None, backward=False, replicas=1,
+                 rank=0) -> fx.GraphModule:
     """A graph that gathers each (name, full_shape, dtype) parameter's shard and uses it in one
     compute node (a matmul-like sum), in `use_order`; with backward=True also reduce-scatters a
-    gradient per parameter."""
+    gradient per parameter (and all-reduces it across `replicas` groups: hybrid sharding).
+    Shards are `rank`'s (torch.chunk's rows: the last ranks' may be short)."""
     graph, mode = fx.Graph(), FakeTensorMode()
     shards = {}
     for name, shape, dtype in params:
         node = graph.placeholder(name.replace(".", "_"))
-        rows = math.ceil(shape[0] / world)
+        chunk = math.ceil(shape[0] / world)
+        rows = min(chunk, max(0, shape[0] - rank * chunk))
         with mode:
             node.meta["val"] = torch.empty((rows, *shape[1:]), dtype=dtype)
         shards[name] = (node, shape, dtype)
@@ -49,8 +52,8 @@ def gather_graph(world: int, params, use_order=None, backward=False) -> fx.Graph
     for name in use_order or [p[0] for p in params]:
         shard, shape, dtype = shards[name]
         emit = GraphEmitter(graph, mode, {"graphshard_params": (name,), "graphshard_role": "unshard"})
-        spec = UnshardSpec(shape[0], "0", world, None, True, ("0",), (world,), True, None, name,
-                           0, "fake", True)
+        groups = (("0",), (world,)) if replicas == 1 else (("0", "1"), (world, replicas))
+        spec = UnshardSpec(shape[0], "0", world, None, True, *groups, True, None, name, 0, "fake", True)
         full = lower_unshard(emit, shard, spec)
         compute = GraphEmitter(graph, mode)
         out = compute(aten.mul.Tensor, full, 2.0)
@@ -140,6 +143,27 @@ def test_reduced_gradients_are_views_of_their_bucket_and_gathered_parameters_are
     (copy,) = {through_views(p.args[0]) for p in products}
     assert copy.target is torch.ops.graphshard.split_copy.default
     assert through_views(copy.args[0]).args[0].target is ALL_GATHER
+
+
+@pytest.mark.parametrize("rows", [8, 7], ids=["even", "uneven"])
+def test_hybrid_all_reduce_reads_the_reduce_scatter_bucket_whole(rows):
+    """Hybrid sharding: the replicas' all-reduce takes the reduce-scatter bucket's output itself,
+    not a concatenation copying its gradients back together; with uneven shards (each gradient
+    narrowed to its rows) it concatenates, and the freed stage then never frees the bucket
+    (Inductor may make the concatenation that very buffer, which the all-reduce reads)."""
+    from graphshard.passes.free_collective_buffers import free_collective_buffers
+    from graphshard.passes.graph_utils import FREE_STORAGE
+
+    params = [("layers.0.a", (rows, 3), torch.float32), ("layers.0.b", (rows,), torch.float32)]
+    graph = gather_graph(2, params, backward=True, replicas=2, rank=1)  # rank 1: 3 of 7 rows
+    gm = bucket_collectives(graph, ctx(bucket_mb=64))
+    (scatter,), (all_reduce,) = call_nodes(gm, REDUCE_SCATTER), call_nodes(gm, ALL_REDUCE)
+    if rows % 2 == 0:
+        assert all_reduce.args[0] is wait_of(scatter)
+    else:
+        assert all_reduce.args[0].target is aten.cat.default
+        freed = free_collective_buffers(gm, ctx())
+        assert not any(f.args[0] is wait_of(scatter) for f in call_nodes(freed, FREE_STORAGE))
 
 
 def _compute_nodes_between(gm, start, end):
@@ -658,8 +682,10 @@ def test_each_collective_buffer_is_freed_after_its_last_reader_and_no_other(fake
         rejoined = {buffers.owned[c.args[0][0]][0] for c in call_nodes(gm, aten.cat.default)
                     if len({buffers.owned[p] for p in c.args[0]}) == 1
                     and len(buffers.owned[c.args[0][0]]) == 1}
-        if strategy == "hybrid_shard" and kind == "backward":  # the cases exist
-            assert all_reduced and rejoined - buffers.inputs
+        if strategy == "hybrid_shard" and kind == "backward":  # the case exists: the all-reduce
+            # reads the reduce-scatter's output itself (it is never freed)
+            assert all_reduced & {b for c in collectives if c.target is REDUCE_SCATTER
+                                  for b in buffers.owned[wait_of(c)]}
         for collective in collectives:
             for value, done in [*((v, wait_of(collective)) for v in collective.all_input_nodes),
                                 (collective, collective)]:
