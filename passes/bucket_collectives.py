@@ -203,11 +203,11 @@ def _rewrite_reduce(gm: fx.GraphModule, bucket: Bucket, fake_mode) -> None:
             flat = emit(aten.reshape.default, emit(aten.cat.default, views, 1), [-1])
             reduced = emit(WAIT, emit(REDUCE_SCATTER, flat, "sum", group_size, group_name))
         else:
-            flats = [emit(aten.reshape.default, x, [-1]) for x in inputs]
-            numels = [f.meta["val"].shape[0] for f in flats]
+            numels = [x.meta["val"].numel() for x in inputs]
             # Hybrid sharding: the replicas' all-reduce of a reduce-scatter bucket's gradients
             # reads that bucket whole (no concatenation copying it back together).
-            flat = _split_source(inputs) or emit(aten.cat.default, flats)
+            flat = _split_source(inputs) or emit(
+                aten.cat.default, [emit(aten.reshape.default, x, [-1]) for x in inputs])
             reduced = emit(WAIT, emit(ALL_REDUCE, flat, "sum", group_name))
             reduced.args[0].meta["graphshard_group_size"] = group_size
         outputs = _views_out(emit, reduced, members, numels)

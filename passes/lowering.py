@@ -2,7 +2,7 @@
 
 `graphshard.unshard(shard, ...)`   -> [cast] -> [pad] -> all_gather_into_tensor -> wait -> [narrow]
 `graphshard.reduce_grad(grad, ...)` -> [cast] -> scale -> [pad] -> reduce_scatter | all_reduce
-                                       -> wait -> [narrow] -> [all_reduce across replicas] -> [cast]
+                                       -> wait -> [all_reduce across replicas] -> [narrow] -> [cast]
 
 Run with an EagerEmitter it is the marker ops' eager implementation (graphshard/ops.py); run with
 a GraphEmitter it is the insert_collectives pass. Everything emitted into a graph must be an op
@@ -64,6 +64,7 @@ def lower_reduce_grad(emit, grad, spec: ReduceSpec):
     if total > 1:
         # Divide before reducing: keeps low-precision sums in range, like DDP's pre-divide.
         x = emit(aten.div.Tensor, x, total)
+    padded = False
     for index, (group_name, group_size) in enumerate(zip(spec.group_names, spec.group_sizes)):
         if group_size == 1:
             continue
@@ -73,11 +74,14 @@ def lower_reduce_grad(emit, grad, spec: ReduceSpec):
             if chunk * group_size != full_dim0:
                 x = _pad_dim0(emit, x, chunk * group_size - full_dim0)
             x = emit(WAIT, emit(REDUCE_SCATTER, x, "sum", group_size, group_name))
-            if chunk != spec.local_dim0:
-                x = emit(aten.slice.Tensor, x, 0, 0, spec.local_dim0)
+            padded = chunk != spec.local_dim0
         else:
             x = emit(WAIT, emit(ALL_REDUCE, x, "sum", group_name))
             _annotate_group_size(x, group_size)
+    if padded:
+        # Narrowed last: the replicas' all-reduce then has the same (padded) shape on every
+        # rank, and takes a bucket of reduce-scatter outputs whole (bucket_collectives).
+        x = emit(aten.slice.Tensor, x, 0, 0, spec.local_dim0)
     x = _cast(emit, x, spec.out_dtype)
     if x is grad:
         x = emit(aten.clone.default, x)  # custom-op outputs must not alias their inputs

@@ -18,7 +18,7 @@ from graphshard.compiler.options import GraphshardOptions
 from graphshard.passes.context import PassContext
 from graphshard.passes.bucket_collectives import bucket_collectives, plan_buckets
 from graphshard.passes.graph_utils import (
-    ALL_GATHER, ALL_REDUCE, REDUCE_SCATTER, GraphEmitter, aten, collective_kind, collective_params, dim0_chunk,
+    ALL_GATHER, ALL_REDUCE, REDUCE_SCATTER, WAIT, GraphEmitter, aten, collective_kind, collective_params, dim0_chunk,
     is_collective, is_wait, list_schedule, node_order, wait_of,
 )
 from graphshard.passes.liveness import graph_memory, memory_estimate
@@ -148,22 +148,41 @@ def test_reduced_gradients_are_views_of_their_bucket_and_gathered_parameters_are
 @pytest.mark.parametrize("rows", [8, 7], ids=["even", "uneven"])
 def test_hybrid_all_reduce_reads_the_reduce_scatter_bucket_whole(rows):
     """Hybrid sharding: the replicas' all-reduce takes the reduce-scatter bucket's output itself,
-    not a concatenation copying its gradients back together; with uneven shards (each gradient
-    narrowed to its rows) it concatenates, and the freed stage then never frees the bucket
-    (Inductor may make the concatenation that very buffer, which the all-reduce reads)."""
-    from graphshard.passes.free_collective_buffers import free_collective_buffers
-    from graphshard.passes.graph_utils import FREE_STORAGE
-
+    not a concatenation copying its gradients back together, on every rank: a rank with short
+    uneven shards all-reduces its padded rows too and narrows after (the same graph everywhere)."""
     params = [("layers.0.a", (rows, 3), torch.float32), ("layers.0.b", (rows,), torch.float32)]
     graph = gather_graph(2, params, backward=True, replicas=2, rank=1)  # rank 1: 3 of 7 rows
     gm = bucket_collectives(graph, ctx(bucket_mb=64))
     (scatter,), (all_reduce,) = call_nodes(gm, REDUCE_SCATTER), call_nodes(gm, ALL_REDUCE)
-    if rows % 2 == 0:
-        assert all_reduce.args[0] is wait_of(scatter)
-    else:
-        assert all_reduce.args[0].target is aten.cat.default
-        freed = free_collective_buffers(gm, ctx())
-        assert not any(f.args[0] is wait_of(scatter) for f in call_nodes(freed, FREE_STORAGE))
+    assert all_reduce.args[0] is wait_of(scatter)
+    grads = gm.graph.output_node().args[0][1::2]
+    assert [tuple(g.meta["val"].shape) for g in grads] == [(rows // 2, 3), (rows // 2,)]
+
+
+def test_a_buffer_whose_views_are_concatenated_back_is_never_freed():
+    """Inductor replaces a concatenation of a split's pieces, in order, by the split buffer: a
+    collective's output joined back by a concatenation that an all-reduce reads may become that
+    all-reduce's input, so the freed stage must not free it after the concatenation."""
+    from graphshard.passes.free_collective_buffers import free_collective_buffers
+    from graphshard.passes.graph_utils import FREE_STORAGE
+    from graphshard.passes.liveness import Buffers
+
+    graph, mode = fx.Graph(), FakeTensorMode()
+    grad = graph.placeholder("grad")
+    with mode:
+        grad.meta["val"] = torch.empty(8)
+    emit = GraphEmitter(graph, mode)
+    scaled = emit(aten.mul.Tensor, grad, 0.5)
+    reduced = emit(WAIT, emit(REDUCE_SCATTER, scaled, "sum", 2, "0"))
+    pieces = emit(aten.split_with_sizes.default, reduced, [1, 3])
+    parts = [emit(operator.getitem, pieces, i) for i in range(2)]
+    summed = emit(WAIT, emit(ALL_REDUCE, emit(aten.cat.default, parts), "sum", "1"))
+    graph.output((summed,))
+    gm = free_collective_buffers(fx.GraphModule(torch.nn.Module(), graph), ctx())
+    buffers = Buffers(gm)
+    freed = {buffers.owned[f.args[0]] for f in call_nodes(gm, FREE_STORAGE)}
+    assert freed == {buffers.owned[scaled]}  # the reduce-scatter's input, after its wait
+    assert buffers.owned[reduced] not in freed
 
 
 def _compute_nodes_between(gm, start, end):
