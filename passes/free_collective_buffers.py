@@ -104,8 +104,9 @@ def _maybe_no_op(node: fx.Node, source: fx.Node) -> bool:
 
 def _rejoins(node: fx.Node, b: int, buffers: Buffers) -> bool:
     """Whether `node` concatenates nothing but views of buffer `b`: Inductor replaces a
-    concatenation of a split's pieces, in order, by the split buffer itself (hybrid sharding's
-    all-reduce of a reduce-scatter's gradients could then read that buffer, not a copy)."""
+    concatenation of a split's pieces, in order, by the split buffer itself, so `b` may live on
+    as the concatenation. (Bucketing emits none for hybrid sharding's all-reduce, which reads the
+    reduce-scatter's output directly; the rule holds for any graph that does.)"""
     return (node.op == "call_function" and node.target is aten.cat.default
             and all(isinstance(part, fx.Node) and buffers.owned.get(part) == (b,)
                     for part in node.args[0]))
