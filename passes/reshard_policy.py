@@ -8,16 +8,22 @@ avoid.
 
 Who decides (backend option `reshard_after_forward`, decided per unit: a repeated block such as
 `layers.3`, or the module owning a parameter outside repeated blocks):
-- None (default): the sharding strategy. full_shard reshards every unit except the last one of
-  forward: its gathered weights are still alive when forward ends and backward needs them first,
-  so keeping them saves a gather and costs no peak memory. shard_grad_op keeps every unit.
+- None (default): the sharding strategy. full_shard reshards every unit except the tail of
+  forward (`kept_by_default`): the last repeated block and what forward uses from its start on
+  (a language model's last block, final norm and output projection), as torchtitan keeps its
+  last block and FSDP2 its root. Backward needs them first: the last unit's weights are still
+  gathered when forward ends, and the last block is gathered again at once (prefetched at the
+  start of backward, where the all-to-all transport also holds a send buffer of its size), so
+  keeping them costs its weights only over forward's tail, below backward's peak, and saves
+  the gathers that nothing in backward comes early enough to hide. shard_grad_op keeps every
+  unit.
 - True / False: every unit resharded / kept.
 - {module-name pattern: bool}: fnmatch patterns on module names ("layers.*", "layers.0.attn");
   a pattern covers a module and everything in it; where several match, the deepest module wins
   (then the later pattern). Unmatched units follow the default.
 - "auto": the backend measures, keeps the units that save the most communication time per byte
   kept within `memory_budget_mb`, and hands the choice to this pass as `ctx.keep_gathered`
-  (parameter names; see `rank_units_to_keep`), always with the last unit of forward.
+  (parameter names; see `rank_units_to_keep`), always with the default's tail of forward.
 """
 
 from __future__ import annotations
@@ -49,21 +55,48 @@ def _backward_nodes(gm: fx.GraphModule) -> set[fx.Node]:
     return backward
 
 
-def last_forward_unit(gm: fx.GraphModule) -> frozenset[str]:
-    """Parameters of the unit whose weight forward uses last (of a joint graph): still gathered
-    when forward ends, and the first backward needs."""
+def _forward_nodes(gm: fx.GraphModule) -> set[fx.Node]:
+    """Nodes of the joint graph that forward's outputs need. Not the nodes that need no
+    tangent but only backward uses (a weight's transpose for a gradient matmul): the joint
+    graph may place those anywhere."""
     backward = _backward_nodes(gm)
+    output = next(iter(gm.graph.find_nodes(op="output")))
+    frontier = [node for node in output.all_input_nodes if node not in backward]
+    forward: set[fx.Node] = set()
+    while frontier:
+        node = frontier.pop()
+        if node not in forward:
+            forward.add(node)
+            frontier.extend(node.all_input_nodes)
+    return forward
+
+
+def kept_by_default(gm: fx.GraphModule) -> frozenset[str]:
+    """Parameters full_shard keeps gathered from forward to backward (of a joint graph): those of
+    the last repeated block forward runs and of every unit forward uses from that block's start
+    on (the final norm, the output projection, a tied embedding); in a model without repeated
+    blocks, those of the unit forward uses last. Backward needs them first, in that order."""
+    forward = _forward_nodes(gm)
     index = {node: i for i, node in enumerate(gm.graph.nodes)}
+    first_use: dict[str, int] = {}
     last_use: dict[str, int] = {}
     for node in gm.graph.nodes:
         if is_unshard(node):
             name = UnshardSpec.from_node(node).name
-            uses = [index[u] for u in node.users if u not in backward]
-            last_use[name] = max(last_use.get(name, -1), max(uses, default=-1))
+            uses = [index[u] for u in node.users if u in forward]
+            if uses:
+                first_use[name] = min(first_use.get(name, len(index)), min(uses))
+                last_use[name] = max(last_use.get(name, -1), max(uses))
     if not last_use:
         return frozenset()
-    unit = reshard_unit(max(last_use, key=last_use.get))
-    return frozenset(name for name in last_use if reshard_unit(name) == unit)
+    in_blocks = [name for name in last_use if unit_of(name) is not None]
+    if not in_blocks:
+        last = reshard_unit(max(last_use, key=last_use.get))
+        return frozenset(name for name in last_use if reshard_unit(name) == last)
+    last_block = unit_of(max(in_blocks, key=last_use.get))
+    start = min(first_use[name] for name in in_blocks if unit_of(name) == last_block)
+    units = {reshard_unit(name) for name, last in last_use.items() if last >= start}
+    return frozenset(name for name in last_use if reshard_unit(name) in units)
 
 
 def _pattern_choice(unit: str, patterns: Mapping[str, bool]) -> bool | None:
@@ -81,13 +114,13 @@ def _pattern_choice(unit: str, patterns: Mapping[str, bool]) -> bool | None:
 
 def params_to_keep(gm: fx.GraphModule, option) -> frozenset[str]:
     """Parameters whose gathered weights forward keeps for backward, for every option but "auto"."""
-    last = last_forward_unit(gm)
+    tail = kept_by_default(gm)
     keep = set()
     for node in gm.graph.nodes:
         if not is_unshard(node):
             continue
         spec = UnshardSpec.from_node(node)
-        default = not spec.reshard_after_forward or spec.name in last  # keep gathered?
+        default = not spec.reshard_after_forward or spec.name in tail  # keep gathered?
         if option is None:
             kept = default
         elif isinstance(option, bool):

@@ -318,8 +318,10 @@ def test_captured_transformer_has_one_collective_per_unit(fake_pg):
     fwd_gathers = call_nodes(fwd, ALL_GATHER)
     assert len(fwd_gathers) == units
     assert [g.meta["graphshard_bucket"] for g in fwd_gathers][1:5] == [f"layers.{i}" for i in range(4)]
-    # backward: one gather per unit that needs weights (embeddings do not), one RS per unit
-    assert len(call_nodes(bwd, ALL_GATHER)) == units - 1
+    # backward: one gather per unit that needs weights (embeddings do not) and that forward did
+    # not keep (the default keeps its tail: layers.3, norm + head), one RS per unit
+    assert [g.meta["graphshard_bucket"] for g in call_nodes(bwd, ALL_GATHER)] == \
+        [f"layers.{i}" for i in (2, 1, 0)]
     scatters = call_nodes(bwd, REDUCE_SCATTER)
     assert len(scatters) == units
     assert [s.meta["graphshard_bucket"] for s in scatters][1:5] == [f"layers.{i}" for i in (3, 2, 1, 0)]
@@ -391,7 +393,10 @@ def test_backward_hands_the_comm_lane_over_and_never_holds_two_units_in_flight(f
     collective holds its buffers beyond need; the final reductions, with nothing to cover
     them, are in flight together."""
     model, inputs, loss_fn = build_model("transformer", batch=4, seq_len=64)
-    options = {"all_gather": "all_to_all", "reduce_scatter": "all_to_all"}
+    # every block gathered again in backward (the default keeps the last one: its backward
+    # starts elsewhere); the output projection kept
+    options = {"all_gather": "all_to_all", "reduce_scatter": "all_to_all",
+               "reshard_after_forward": {"layers.*": True, "norm": True, "output": False}}
     bwd = capture_step(model, inputs, loss_fn, options=options)[("backward", "scheduled")]
     order = node_order(bwd.graph)
     gathers, scatters = call_nodes(bwd, ALL_GATHER), call_nodes(bwd, REDUCE_SCATTER)
@@ -603,7 +608,10 @@ def test_a_backward_prefetch_is_issued_where_memory_is_low_and_compute_still_cov
     from graphshard.compiler.cost_model import ClusterSpec, collective_node_cost, node_cost
     import graphshard.passes.reorder_collectives as reorder
 
-    options = {"all_gather": "all_to_all", "reduce_scatter": "all_to_all"}
+    # every block gathered again in backward (the default keeps the last one: its backward
+    # starts elsewhere); the output projection kept
+    options = {"all_gather": "all_to_all", "reduce_scatter": "all_to_all",
+               "reshard_after_forward": {"layers.*": True, "norm": True, "output": False}}
 
     def backward():
         model, inputs, loss_fn = build_model("transformer", batch=4, seq_len=64)

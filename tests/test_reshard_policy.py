@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from graphshard.compiler.options import GraphshardOptions
+from graphshard.passes.reshard_policy import reshard_unit
 from graphshard.tools import dump
 from graphshard.tools.launch import run_local
 from tests.workers import Training, gpt_data, reference, train
@@ -36,8 +37,7 @@ def _regathered(report: dict) -> set[str]:
     """Units (repeated blocks, else modules) whose parameters backward gathers again."""
     names = {p for c in report["collectives"] if c["graph"] == "backward" and c["op"] == "all_gather"
              for p in c["params"]}
-    return {n.split(".")[0] + "." + n.split(".")[1] if n.startswith("layers.") else n.rsplit(".", 1)[0]
-            for n in names}
+    return {reshard_unit(name) for name in names}
 
 
 @pytest.fixture(scope="module")
@@ -46,7 +46,8 @@ def reports(tmp_path_factory) -> dict:
     tmp = tmp_path_factory.mktemp("reshard")
     values = {"default": (), "true": ("reshard_after_forward=true",),
               "false": ("reshard_after_forward=false",),
-              "pattern": ('reshard_after_forward={"layers.*": false, "layers.0": true}',)}
+              "pattern": ('reshard_after_forward={"layers.*": false, "layers.0": true}',),
+              "last_block_resharded": ('reshard_after_forward={"layers.3": true}',)}
     result = {name: _dump(tmp, *options) for name, options in values.items()}
     resharded, kept = (result[k]["estimate"]["peak_memory_bytes"] / 2**20 for k in ("true", "false"))
     result["budgets"] = {}
@@ -57,16 +58,42 @@ def reports(tmp_path_factory) -> dict:
     return result
 
 
-def test_default_keeps_only_the_last_unit_of_forward(reports):
-    # full_shard: every block is gathered again in backward; the output projection, which
-    # forward uses last and backward first, is kept (it is still gathered when forward ends).
-    assert _regathered(reports["default"]) == {*LAYERS, "norm"}
+def test_default_keeps_the_tail_of_forward_at_no_cost_in_peak_memory(reports):
+    # full_shard: the last block, the final norm and the output projection, which backward
+    # needs first, stay gathered; every other block is gathered again in backward.
+    assert _regathered(reports["default"]) == {*LAYERS[:-1]}
     assert _regathered(reports["true"]) == {*LAYERS, "norm", "output"}
     assert _regathered(reports["false"]) == set()
+    # Keeping the last block saves its backward gather and costs no predicted peak memory.
+    resharded = reports["last_block_resharded"]
+    assert _regathered(resharded) == {*LAYERS}
+    assert reports["default"]["estimate"]["peak_memory_bytes"] <= resharded["estimate"]["peak_memory_bytes"]
+    assert reports["default"]["estimate"]["comm_bytes"] < resharded["estimate"]["comm_bytes"]
+
+
+def test_default_tail_of_a_tied_hugging_face_model(tmp_path):
+    # GPT-2 (transformers, 2 blocks): lm_head is the token embedding (wte), which forward uses
+    # first and last. Kept: the last block, ln_f and wte; the first block is gathered again.
+    # (Forward here means what the loss needs: the joint graph places the weight transposes
+    # that only backward uses anywhere.)
+    def dump_gpt2(*options: str) -> dict:
+        out = tmp_path / f"gpt2{len(options)}.json"
+        argv = ["tests.dump_targets.zoo:causal_lm", "--model-args", "name=gpt2", "--no-meta",
+                "--world-size", "8", "--quiet", "--json", str(out)]
+        for option in options:
+            argv += ["--option", option]
+        assert dump.main(argv) == 0
+        return json.loads(out.read_text())
+
+    default = dump_gpt2()
+    resharded = dump_gpt2('reshard_after_forward={"transformer.h.1": true}')
+    assert _regathered(default) == {"transformer.h.0"}
+    assert _regathered(resharded) == {"transformer.h.0", "transformer.h.1"}
+    assert default["estimate"]["peak_memory_bytes"] <= resharded["estimate"]["peak_memory_bytes"]
 
 
 def test_a_pattern_mapping_decides_per_unit_deepest_match_wins(reports):
-    assert _regathered(reports["pattern"]) == {"layers.0", "norm"}
+    assert _regathered(reports["pattern"]) == {"layers.0"}  # norm: the default tail
 
 
 def test_keeping_units_trades_memory_for_communication(reports):
@@ -85,7 +112,8 @@ def test_auto_keeps_the_most_units_the_budget_allows(reports):
             assert peak <= budget, (budget, peak, kept)
         # Ties go to the units backward gathers first: the last blocks of forward.
         assert kept == LAYERS[len(LAYERS) - len(kept):], kept
-    assert kept_counts[0] == 0 and kept_counts[-1] == len(LAYERS), kept_counts
+    # below the peak with every unit resharded: only the default's tail (the last block)
+    assert kept_counts[0] == 1 and kept_counts[-1] == len(LAYERS), kept_counts
     assert kept_counts == sorted(kept_counts) and len(set(kept_counts)) >= 3, kept_counts
 
 

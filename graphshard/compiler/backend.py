@@ -44,7 +44,7 @@ from graphshard.passes.free_collective_buffers import free_collective_buffers
 from graphshard.passes.merge_duplicate_unshards import merge_duplicate_unshards
 from graphshard.passes.reduce_scatter_via_all_to_all import reduce_scatter_via_all_to_all
 from graphshard.passes.reorder_collectives import ReorderPolicy, reorder_collectives
-from graphshard.passes.reshard_policy import (last_forward_unit, rank_units_to_keep, reshard_unit,
+from graphshard.passes.reshard_policy import (kept_by_default, rank_units_to_keep, reshard_unit,
                                                tag_reshard_policy, unit_costs)
 
 def _schedule(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
@@ -307,7 +307,7 @@ class GraphshardCompiler:
         then a binary search: each probe partitions and estimates the step once). Ranks agree
         on the prefix length: the minimum over ranks (the ranking itself uses only
         rank-invariant sizes)."""
-        free = last_forward_unit(joint)  # kept at no cost in peak memory, as by default
+        free = kept_by_default(joint)  # kept at no cost in peak memory, as by default
         names = _unshard_specs(joint)
 
         def keep_set(units: list[str]) -> frozenset[str]:
