@@ -18,6 +18,9 @@ class PassContext:
     via_all_to_all: frozenset[str] = frozenset()
     # joint graph, reshard_after_forward="auto": the parameters the backend chose to keep gathered
     keep_gathered: frozenset[str] | None = None
+    # joint graph, default option: keep the tail of forward beyond its last unit (the backend
+    # turns this off where that would raise the peak: reshard_policy.keeping_costs_peak_memory)
+    keep_tail: bool = True
 
     def __post_init__(self):
         if self.graph_kind not in GRAPH_KINDS:

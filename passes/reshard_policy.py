@@ -9,21 +9,20 @@ avoid.
 Who decides (backend option `reshard_after_forward`, decided per unit: a repeated block such as
 `layers.3`, or the module owning a parameter outside repeated blocks):
 - None (default): the sharding strategy. full_shard reshards every unit except the tail of
-  forward (`kept_by_default`): the last repeated block and what forward uses from its start on
-  (a language model's last block, final norm and output projection), as torchtitan keeps its
-  last block and FSDP2 its root. Backward needs them first: the last unit's weights are still
-  gathered when forward ends, and the last block is gathered again at once (prefetched at the
-  start of backward, where the all-to-all transport also holds a send buffer of its size), so
-  keeping them costs its weights only over forward's tail, below backward's peak, and saves
-  the gathers that nothing in backward comes early enough to hide. shard_grad_op keeps every
-  unit.
+  forward: the unit forward uses last (its weights are still gathered when forward ends and
+  backward needs them first: keeping them saves a gather at no cost in peak memory, as FSDP2
+  keeps its root), and, where that costs no peak memory either (`keeping_costs_peak_memory`,
+  decided by the backend on the partition), the last repeated block and the other units forward
+  uses from its start on (a language model's last block and final norm), as torchtitan keeps
+  its last block: backward gathers it again at once, where nothing comes early enough to hide
+  the gather. shard_grad_op keeps every unit.
 - True / False: every unit resharded / kept.
 - {module-name pattern: bool}: fnmatch patterns on module names ("layers.*", "layers.0.attn");
   a pattern covers a module and everything in it; where several match, the deepest module wins
   (then the later pattern). Unmatched units follow the default.
 - "auto": the backend measures, keeps the units that save the most communication time per byte
   kept within `memory_budget_mb`, and hands the choice to this pass as `ctx.keep_gathered`
-  (parameter names; see `rank_units_to_keep`), always with the default's tail of forward.
+  (parameter names; see `rank_units_to_keep`), always with the last unit of forward.
 """
 
 from __future__ import annotations
@@ -36,7 +35,8 @@ import torch.fx as fx
 from torch.utils.checkpoint import CheckpointPolicy
 
 from graphshard.passes.context import PassContext
-from graphshard.passes.graph_utils import is_unshard, tensor_bytes, unit_of
+from graphshard.passes.graph_utils import is_reduce_grad, is_unshard, tensor_bytes, unit_of
+from graphshard.passes.liveness import Buffers, live_bytes, saved_activations
 from graphshard.passes.markers import UnshardSpec
 
 
@@ -71,32 +71,103 @@ def _forward_nodes(gm: fx.GraphModule) -> set[fx.Node]:
     return forward
 
 
-def kept_by_default(gm: fx.GraphModule) -> frozenset[str]:
-    """Parameters full_shard keeps gathered from forward to backward (of a joint graph): those of
-    the last repeated block forward runs and of every unit forward uses from that block's start
-    on (the final norm, the output projection, a tied embedding); in a model without repeated
-    blocks, those of the unit forward uses last. Backward needs them first, in that order."""
+def _forward_uses(gm: fx.GraphModule) -> dict[str, tuple[int, int]]:
+    """Parameter name -> (first, last) index of its forward uses in the joint graph."""
     forward = _forward_nodes(gm)
     index = {node: i for i, node in enumerate(gm.graph.nodes)}
-    first_use: dict[str, int] = {}
-    last_use: dict[str, int] = {}
+    uses: dict[str, tuple[int, int]] = {}
     for node in gm.graph.nodes:
         if is_unshard(node):
             name = UnshardSpec.from_node(node).name
-            uses = [index[u] for u in node.users if u in forward]
-            if uses:
-                first_use[name] = min(first_use.get(name, len(index)), min(uses))
-                last_use[name] = max(last_use.get(name, -1), max(uses))
-    if not last_use:
+            at = [index[u] for u in node.users if u in forward]
+            if at:
+                first, last = uses.get(name, (len(index), -1))
+                uses[name] = (min(first, min(at)), max(last, max(at)))
+    return uses
+
+
+def last_forward_unit(gm: fx.GraphModule) -> frozenset[str]:
+    """Parameters of the unit whose weight forward uses last (of a joint graph): still gathered
+    when forward ends, and the first backward needs."""
+    uses = _forward_uses(gm)
+    if not uses:
         return frozenset()
-    in_blocks = [name for name in last_use if unit_of(name) is not None]
+    unit = reshard_unit(max(uses, key=lambda name: uses[name][1]))
+    return frozenset(name for name in uses if reshard_unit(name) == unit)
+
+
+def tail_of_forward(gm: fx.GraphModule) -> frozenset[str]:
+    """Parameters of the last repeated block forward runs and of every other unit forward uses
+    from that block's start on (of a joint graph), but not the last unit's: what the default
+    also keeps where that costs no peak memory. Empty without repeated blocks."""
+    uses = _forward_uses(gm)
+    in_blocks = [name for name in uses if unit_of(name) is not None]
     if not in_blocks:
-        last = reshard_unit(max(last_use, key=last_use.get))
-        return frozenset(name for name in last_use if reshard_unit(name) == last)
-    last_block = unit_of(max(in_blocks, key=last_use.get))
-    start = min(first_use[name] for name in in_blocks if unit_of(name) == last_block)
-    units = {reshard_unit(name) for name, last in last_use.items() if last >= start}
-    return frozenset(name for name in last_use if reshard_unit(name) in units)
+        return frozenset()
+    last_block = unit_of(max(in_blocks, key=lambda name: uses[name][1]))
+    start = min(uses[name][0] for name in in_blocks if unit_of(name) == last_block)
+    units = {reshard_unit(name) for name, (_, last) in uses.items() if last >= start}
+    return frozenset(name for name in uses if reshard_unit(name) in units) - last_forward_unit(gm)
+
+
+def keeping_costs_peak_memory(forward: fx.GraphModule, backward: fx.GraphModule,
+                              params: Collection[str], compute_seconds: Callable[[fx.Node], float],
+                              gather_seconds: Callable[[int], float], send_buffer: bool) -> bool:
+    """Whether keeping `params` gathered from forward to backward raises the step's predicted
+    peak, judged on the partition that keeps them (before lowering: unshard markers, no
+    buckets yet) against the least that resharding them could hold: each unit's gathered
+    weights freed after their last use in forward, and gathered again in backward where the
+    scheduler would issue that gather at the latest (the last slot whose compute before the
+    weights' first use covers the gather's time, by the cost model; else the start, as
+    reorder_collectives issues a graph's first gathers), beside the send buffer of their size
+    that the all-to-all transport holds until then (`send_buffer`). Where the peak lies outside the
+    stretches this adds, keeping costs nothing. Only sizes that are the same on every rank
+    count (not the reduced gradient shards: uneven shards differ), so every rank decides alike
+    without a collective."""
+    counted = lambda node: not is_reduce_grad(node)  # noqa: E731
+    fw_nodes, fw_buffers = list(forward.graph.nodes), Buffers(forward)
+    fw_live = live_bytes(fw_nodes, fw_buffers, counted)
+    fw_resharded = list(fw_live)
+    output = fw_nodes[-1]
+    unit_of_saved: dict[str, str] = {}  # saved value's name -> the unit whose weights it holds
+    for node in fw_nodes:
+        if not (is_unshard(node) and UnshardSpec.from_node(node).name in params):
+            continue
+        mine = set(fw_buffers.owned[node])
+        for saved in output.all_input_nodes:
+            if mine & set(fw_buffers.owned.get(saved, ())):
+                unit_of_saved[saved.name] = reshard_unit(UnshardSpec.from_node(node).name)
+        readers = [i for i, n in enumerate(fw_nodes) if n is not output and any(
+            mine & set(fw_buffers.owned.get(arg, ())) for arg in n.all_input_nodes)]
+        for t in range(max(readers, default=fw_nodes.index(node)) + 1, len(fw_nodes)):
+            fw_resharded[t] -= fw_buffers.bytes_of([node])
+
+    bw_nodes = list(backward.graph.nodes)
+    bw_buffers = Buffers(backward, saved_activations(backward))
+    bw_live = live_bytes(bw_nodes, bw_buffers, counted)
+    bw_resharded = list(bw_live)
+    compute_before = [0.0]  # [i]: the compute of bw_nodes[:i] (not our markers)
+    for node in bw_nodes:
+        model_op = node.op == "call_function" and not (is_unshard(node) or is_reduce_grad(node))
+        compute_before.append(compute_before[-1] + (compute_seconds(node) if model_op else 0.0))
+    held: dict[str, list[fx.Node]] = {}
+    for node in bw_nodes:
+        if node.op == "placeholder" and node.name in unit_of_saved:
+            held.setdefault(unit_of_saved[node.name], []).append(node)
+    for nodes in held.values():
+        mine = {b for node in nodes for b in bw_buffers.owned[node]}
+        first = min((i for i, n in enumerate(bw_nodes) if n.op != "placeholder" and any(
+            mine & set(bw_buffers.owned.get(arg, ())) for arg in n.all_input_nodes)),
+            default=len(bw_nodes))
+        nbytes = sum(bw_buffers.sizes[b] for b in mine)
+        needed = gather_seconds(nbytes)
+        covered = [i for i in range(first) if compute_before[first] - compute_before[i] >= needed]
+        issue = max(covered, default=0)
+        for t in range(issue):
+            bw_resharded[t] -= nbytes
+        for t in range(issue, first if send_buffer else issue):
+            bw_resharded[t] += nbytes
+    return max(fw_live + bw_live) > max(fw_resharded + bw_resharded)
 
 
 def _pattern_choice(unit: str, patterns: Mapping[str, bool]) -> bool | None:
@@ -112,9 +183,10 @@ def _pattern_choice(unit: str, patterns: Mapping[str, bool]) -> bool | None:
     return None if best is None else best[1]
 
 
-def params_to_keep(gm: fx.GraphModule, option) -> frozenset[str]:
-    """Parameters whose gathered weights forward keeps for backward, for every option but "auto"."""
-    tail = kept_by_default(gm)
+def params_to_keep(gm: fx.GraphModule, option, keep_tail: bool = True) -> frozenset[str]:
+    """Parameters whose gathered weights forward keeps for backward, for every option but
+    "auto"; `keep_tail`: whether the default keeps `tail_of_forward` too."""
+    tail = last_forward_unit(gm) | (tail_of_forward(gm) if keep_tail else frozenset())
     keep = set()
     for node in gm.graph.nodes:
         if not is_unshard(node):
@@ -173,7 +245,7 @@ def rank_units_to_keep(costs: Iterable[UnitCost]) -> list[str]:
 def tag_reshard_policy(gm: fx.GraphModule, ctx: PassContext | None = None) -> fx.GraphModule:
     option = ctx.options.reshard_after_forward if ctx else None
     keep = ctx.keep_gathered if ctx and ctx.keep_gathered is not None else (
-        params_to_keep(gm, None if option == "auto" else option))
+        params_to_keep(gm, None if option == "auto" else option, ctx.keep_tail if ctx else True))
     for node in gm.graph.nodes:
         if is_unshard(node):
             kept = UnshardSpec.from_node(node).name in keep

@@ -129,9 +129,38 @@ def test_depth_extrapolation_matches_a_whole_capture():
     for c in probed:
         w = whole_by[key(c)]
         assert c.step_s == pytest.approx(w.step_s, rel=0.03), c.knobs
-        # Backward's peak does not grow by the same amount with every block (measured here,
-        # keeping the last unit: +0.47 MB from 3 to 4 blocks, +0.1 MB per block from 4 on).
+        # Backward's peak does not grow by the same amount with the first blocks as with later
+        # ones (measured in the ninth session: +0.47 MB from 3 to 4 blocks, +0.1 MB per block
+        # from 4 on), which is why the probes start at 4 blocks.
         assert c.peak_memory_bytes == pytest.approx(w.peak_memory_bytes, rel=0.03), c.knobs
+
+
+def test_auto_keeps_as_many_blocks_beyond_the_default_as_the_device_memory_allows():
+    """The planner's reshard_after_forward="auto" on made-up probes of a 5-block model: the
+    default (its tail: the last block kept) peaks at 10 MB, every block kept at 18 MB, so each
+    block beyond the default's one costs 2 MB."""
+    from types import SimpleNamespace
+
+    mb = 1e6
+
+    def probe(peak: float) -> planner.Probe:
+        return planner.Probe(step_s=1.0, exposed_comm_s=0.0, comm_bytes=0.0, forward_peak_bytes=0.0,
+                             backward_peak_bytes=peak, state_bytes=0.0, gradient_bytes=0.0,
+                             trainable_params=0.0, trainable_shard_elements=0.0)
+
+    probes = {"last": probe(10 * mb), "all": probe(18 * mb)}
+    layout, knobs = planner.Layout("full_shard", 8, "none", "float32", 1), planner.Knobs("last", 1, 64.0)
+
+    def kept(limit: float, depth: int = 5) -> int | None:
+        config = planner._auto(layout, lambda k: probes[k.keep], depth, knobs,
+                               lambda _, __, p: SimpleNamespace(peak_memory_bytes=p.transient_bytes),
+                               limit)
+        return None if config is None else config.kept_blocks
+
+    assert kept(11 * mb) is None  # no room beyond the default: that is the default's row
+    assert (kept(12.5 * mb), kept(16 * mb)) == (2, 4)
+    assert kept(18 * mb) is None  # everything fits: the "all" row
+    assert kept(100 * mb, depth=2) is None  # 2 blocks: the default keeps one, "all" both
 
 
 @pytest.mark.parametrize("argv, message", [

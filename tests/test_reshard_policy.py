@@ -24,9 +24,9 @@ MODEL = ["transformer", "--model-args", "n_layers=4,dim=128", "--batch", "2", "-
 LAYERS = [f"layers.{i}" for i in range(4)]
 
 
-def _dump(tmp_path, *options: str) -> dict:
+def _dump(tmp_path, *options: str, model: list[str] = MODEL) -> dict:
     out = tmp_path / "dump.json"
-    argv = [*MODEL, "--json", str(out)]
+    argv = [*model, "--json", str(out)]
     for option in options:
         argv += ["--option", option]
     assert dump.main(argv) == 0
@@ -71,6 +71,21 @@ def test_default_keeps_the_tail_of_forward_at_no_cost_in_peak_memory(reports):
     assert reports["default"]["estimate"]["comm_bytes"] < resharded["estimate"]["comm_bytes"]
 
 
+def test_default_reshards_the_last_block_where_keeping_it_would_raise_the_peak(tmp_path):
+    # Llama-3-8B's shapes (2 blocks, bf16, seq 4096, world size 8): its 128k-token vocabulary
+    # puts the step's peak in the output projection's backward (the logits and their
+    # gradient), before the scheduler would gather the last block again: kept, the block's
+    # weights would sit there too (+0.4 GiB predicted). The default gathers it again; the
+    # output projection, still gathered when forward ends, stays kept.
+    model = ["llama3-8b", "--model-args", "n_layers=2", "--seq", "4096", "--batch", "1",
+             "--param-dtype", "bf16", "--reduce-dtype", "fp32", "--world-size", "8", "--quiet"]
+    default = _dump(tmp_path, model=model)
+    kept = _dump(tmp_path, 'reshard_after_forward={"layers.1": false, "norm": false}', model=model)
+    assert _regathered(default) == {"layers.0", "layers.1", "norm"}
+    assert _regathered(kept) == {"layers.0"}
+    assert kept["estimate"]["peak_memory_bytes"] > default["estimate"]["peak_memory_bytes"]
+
+
 def test_default_tail_of_a_tied_hugging_face_model(tmp_path):
     # GPT-2 (transformers, 2 blocks): lm_head is the token embedding (wte), which forward uses
     # first and last. Kept: the last block, ln_f and wte; the first block is gathered again.
@@ -112,8 +127,7 @@ def test_auto_keeps_the_most_units_the_budget_allows(reports):
             assert peak <= budget, (budget, peak, kept)
         # Ties go to the units backward gathers first: the last blocks of forward.
         assert kept == LAYERS[len(LAYERS) - len(kept):], kept
-    # below the peak with every unit resharded: only the default's tail (the last block)
-    assert kept_counts[0] == 1 and kept_counts[-1] == len(LAYERS), kept_counts
+    assert kept_counts[0] == 0 and kept_counts[-1] == len(LAYERS), kept_counts
     assert kept_counts == sorted(kept_counts) and len(set(kept_counts)) >= 3, kept_counts
 
 

@@ -44,7 +44,8 @@ from graphshard.passes.free_collective_buffers import free_collective_buffers
 from graphshard.passes.merge_duplicate_unshards import merge_duplicate_unshards
 from graphshard.passes.reduce_scatter_via_all_to_all import reduce_scatter_via_all_to_all
 from graphshard.passes.reorder_collectives import ReorderPolicy, reorder_collectives
-from graphshard.passes.reshard_policy import (kept_by_default, rank_units_to_keep, reshard_unit,
+from graphshard.passes.reshard_policy import (keeping_costs_peak_memory, last_forward_unit,
+                                               params_to_keep, rank_units_to_keep, reshard_unit,
                                                tag_reshard_policy, unit_costs)
 
 def _schedule(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
@@ -298,7 +299,25 @@ class GraphshardCompiler:
         joint = run_pipeline(joint, ctx, self.observer)
         self.training_graphs += 1
         self.state_bytes, self.graph_memory = model_state_bytes(joint), {}
-        return compat.inductor_partition(joint, joint_inputs, **kwargs)
+        forward, backward = compat.inductor_partition(joint, joint_inputs, **kwargs)
+        if ctx.keep_gathered is None:
+            # The default's tail beyond the last unit (the last block), kept only where the
+            # partition shows that costs no peak memory; else partitioned again without it.
+            option = self.options.reshard_after_forward
+            tail = params_to_keep(joint, option) - params_to_keep(joint, option, keep_tail=False)
+            if tail and self._keeping_costs_peak_memory(joint, forward, backward, tail):
+                joint = run_pipeline(joint, replace(ctx, keep_tail=False), self.observer)
+                forward, backward = compat.inductor_partition(joint, joint_inputs, **kwargs)
+        return forward, backward
+
+    def _keeping_costs_peak_memory(self, joint, forward, backward, params) -> bool:
+        """`keeping_costs_peak_memory` with this compile's cost model."""
+        group_size = max(spec.gather_size for name, spec in _unshard_specs(joint).items()
+                         if name in params)
+        return keeping_costs_peak_memory(
+            forward, backward, params, lambda node: node_cost(node, self.cluster).seconds,
+            lambda nbytes: collective_time("all_gather", nbytes, group_size, self.cluster),
+            send_buffer="all_gather" in self.split_context[1])
 
     def _choose_kept_units(self, joint: fx.GraphModule, joint_inputs, kwargs) -> frozenset[str]:
         """reshard_after_forward="auto": rank the units by gather time saved per byte kept, then
@@ -307,7 +326,7 @@ class GraphshardCompiler:
         then a binary search: each probe partitions and estimates the step once). Ranks agree
         on the prefix length: the minimum over ranks (the ranking itself uses only
         rank-invariant sizes)."""
-        free = kept_by_default(joint)  # kept at no cost in peak memory, as by default
+        free = last_forward_unit(joint)  # kept at no cost in peak memory, as by default
         names = _unshard_specs(joint)
 
         def keep_set(units: list[str]) -> frozenset[str]:

@@ -28,9 +28,9 @@ class GraphshardOptions:
     compiler: str = "inductor"  # final compiler: "inductor", or "eager" (run the FX graph)
     cluster: str | None = None  # cost-model JSON from `graphshard calibrate`; None: built-in
     # Keep a unit's gathered weights from forward to backward? None: the strategy decides
-    # (full_shard: only the tail of forward, from its last block on); True / False: every unit
-    # resharded / kept; {module-name pattern: bool}; "auto": the cost model chooses within
-    # memory_budget_mb.
+    # (full_shard: only the tail of forward: its last unit, and its last block where that costs
+    # no peak memory); True / False: every unit resharded / kept; {module-name pattern: bool};
+    # "auto": the cost model chooses within memory_budget_mb.
     reshard_after_forward: bool | str | Mapping[str, bool] | None = None
     memory_budget_mb: float | None = None  # per-rank peak (MiB) that "auto" keeps within
 

@@ -72,7 +72,7 @@ class Layout:
 class Knobs:
     """What only re-runs the passes and the estimate."""
 
-    keep: str  # units kept gathered for backward: "last" (default), "all", "auto"
+    keep: str  # units kept gathered for backward: "last" (the default's tail), "all", "auto"
     prefetch: int
     bucket_mb: float
 
@@ -400,21 +400,22 @@ def _finish(layout: Layout, knobs: Knobs, probe: Probe, *, accumulation: int, cl
 def _auto(layout: Layout, at: Callable[[Knobs], Probe], depth: int, knobs: Knobs,
           finish: Callable, limit: float | None) -> Config | None:
     """reshard_after_forward="auto" at the device memory: keep as many blocks gathered as fit,
-    each adding 1/depth of the difference between keeping every block and keeping the last."""
+    each beyond the default's (the last block) adding 1/(depth - 1) of the difference between
+    keeping every block and the default."""
     last, every = dataclasses.replace(knobs, keep="last"), dataclasses.replace(knobs, keep="all")
-    if limit is None:
-        return None
+    if limit is None or depth < 3:
+        return None  # nothing between the default and "all"
     try:
         at(every)
     except KeyError:  # "all" not searched
         return None
     base, full = at(last), at(every)
-    per_block = (full.transient_bytes - base.transient_bytes) / depth
+    per_block = (full.transient_bytes - base.transient_bytes) / (depth - 1)
     spare = limit - finish(layout, last, base).peak_memory_bytes
-    kept = depth if per_block <= 0 else max(0, min(depth, int(spare // per_block)))
-    if not 0 < kept < depth:
-        return None  # the same as "last" or "all"
-    probe = base.combine(full, kept / depth)
+    kept = depth if per_block <= 0 else max(1, min(depth, 1 + int(spare // per_block)))
+    if not 1 < kept < depth:
+        return None  # the same as the default or "all"
+    probe = base.combine(full, (kept - 1) / (depth - 1))
     config = finish(layout, dataclasses.replace(knobs, keep="auto"), probe)
     config.kept_blocks = kept
     return config
@@ -514,7 +515,7 @@ def table(configs: Sequence[Config], devices: int, cluster, top: int) -> str:
     limit = cluster.device_memory_bytes
     rows = []
     for rank, c in enumerate(configs[:top], 1):
-        keep = {"last": "last unit", "all": "all", "auto": f"{c.kept_blocks} blocks"}[c.knobs.keep]
+        keep = {"last": "tail", "all": "all", "auto": f"{c.kept_blocks} blocks"}[c.knobs.keep]
         rows.append([
             rank, c.strategy_name, "x".join(map(str, c.mesh_shape(devices))), c.layout.ac,
             "bf16" if c.layout.param_dtype == "bfloat16" else "fp32",
