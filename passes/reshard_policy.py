@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import fnmatch
 from dataclasses import dataclass
-from typing import Callable, Collection, Iterable, Mapping
+from typing import Callable, Collection, Iterable, Mapping, Sequence
 
 import torch.fx as fx
 from torch.utils.checkpoint import CheckpointPolicy
@@ -89,7 +89,10 @@ def _forward_uses(gm: fx.GraphModule) -> dict[str, tuple[int, int]]:
 def last_forward_unit(gm: fx.GraphModule) -> frozenset[str]:
     """Parameters of the unit whose weight forward uses last (of a joint graph): still gathered
     when forward ends, and the first backward needs."""
-    uses = _forward_uses(gm)
+    return _last_unit(_forward_uses(gm))
+
+
+def _last_unit(uses: Mapping[str, tuple[int, int]]) -> frozenset[str]:
     if not uses:
         return frozenset()
     unit = reshard_unit(max(uses, key=lambda name: uses[name][1]))
@@ -100,14 +103,31 @@ def tail_of_forward(gm: fx.GraphModule) -> frozenset[str]:
     """Parameters of the last repeated block forward runs and of every other unit forward uses
     from that block's start on (of a joint graph), but not the last unit's: what the default
     also keeps where that costs no peak memory. Empty without repeated blocks."""
-    uses = _forward_uses(gm)
+    return _tail(_forward_uses(gm))
+
+
+def _tail(uses: Mapping[str, tuple[int, int]]) -> frozenset[str]:
     in_blocks = [name for name in uses if unit_of(name) is not None]
     if not in_blocks:
         return frozenset()
     last_block = unit_of(max(in_blocks, key=lambda name: uses[name][1]))
     start = min(uses[name][0] for name in in_blocks if unit_of(name) == last_block)
     units = {reshard_unit(name) for name, (_, last) in uses.items() if last >= start}
-    return frozenset(name for name in uses if reshard_unit(name) in units) - last_forward_unit(gm)
+    return frozenset(name for name in uses if reshard_unit(name) in units) - _last_unit(uses)
+
+
+def _read_spans(nodes: Sequence[fx.Node], buffers: Buffers, skip: fx.Node | None = None
+                ) -> dict[int, tuple[int, int]]:
+    """Buffer -> (first, last) index of the nodes but `skip` that read a value holding it."""
+    spans: dict[int, tuple[int, int]] = {}
+    for i, node in enumerate(nodes):
+        if node is skip:
+            continue
+        for arg in node.all_input_nodes:
+            for b in buffers.owned.get(arg, ()):
+                first, last = spans.get(b, (i, i))
+                spans[b] = (min(first, i), max(last, i))
+    return spans
 
 
 def keeping_costs_peak_memory(forward: fx.GraphModule, backward: fx.GraphModule,
@@ -129,17 +149,17 @@ def keeping_costs_peak_memory(forward: fx.GraphModule, backward: fx.GraphModule,
     fw_live = live_bytes(fw_nodes, fw_buffers, counted)
     fw_resharded = list(fw_live)
     output = fw_nodes[-1]
+    fw_spans = _read_spans(fw_nodes, fw_buffers, skip=output)
     unit_of_saved: dict[str, str] = {}  # saved value's name -> the unit whose weights it holds
-    for node in fw_nodes:
+    for index, node in enumerate(fw_nodes):
         if not (is_unshard(node) and UnshardSpec.from_node(node).name in params):
             continue
         mine = set(fw_buffers.owned[node])
         for saved in output.all_input_nodes:
             if mine & set(fw_buffers.owned.get(saved, ())):
                 unit_of_saved[saved.name] = reshard_unit(UnshardSpec.from_node(node).name)
-        readers = [i for i, n in enumerate(fw_nodes) if n is not output and any(
-            mine & set(fw_buffers.owned.get(arg, ())) for arg in n.all_input_nodes)]
-        for t in range(max(readers, default=fw_nodes.index(node)) + 1, len(fw_nodes)):
+        last_read = max((fw_spans[b][1] for b in mine if b in fw_spans), default=index)
+        for t in range(last_read + 1, len(fw_nodes)):
             fw_resharded[t] -= fw_buffers.bytes_of([node])
 
     bw_nodes = list(backward.graph.nodes)
@@ -150,15 +170,14 @@ def keeping_costs_peak_memory(forward: fx.GraphModule, backward: fx.GraphModule,
     for node in bw_nodes:
         model_op = node.op == "call_function" and not (is_unshard(node) or is_reduce_grad(node))
         compute_before.append(compute_before[-1] + (compute_seconds(node) if model_op else 0.0))
+    bw_spans = _read_spans(bw_nodes, bw_buffers)  # placeholders read nothing
     held: dict[str, list[fx.Node]] = {}
     for node in bw_nodes:
         if node.op == "placeholder" and node.name in unit_of_saved:
             held.setdefault(unit_of_saved[node.name], []).append(node)
     for nodes in held.values():
         mine = {b for node in nodes for b in bw_buffers.owned[node]}
-        first = min((i for i, n in enumerate(bw_nodes) if n.op != "placeholder" and any(
-            mine & set(bw_buffers.owned.get(arg, ())) for arg in n.all_input_nodes)),
-            default=len(bw_nodes))
+        first = min((bw_spans[b][0] for b in mine if b in bw_spans), default=len(bw_nodes))
         nbytes = sum(bw_buffers.sizes[b] for b in mine)
         needed = gather_seconds(nbytes)
         covered = [i for i in range(first) if compute_before[first] - compute_before[i] >= needed]
@@ -186,7 +205,8 @@ def _pattern_choice(unit: str, patterns: Mapping[str, bool]) -> bool | None:
 def params_to_keep(gm: fx.GraphModule, option, keep_tail: bool = True) -> frozenset[str]:
     """Parameters whose gathered weights forward keeps for backward, for every option but
     "auto"; `keep_tail`: whether the default keeps `tail_of_forward` too."""
-    tail = last_forward_unit(gm) | (tail_of_forward(gm) if keep_tail else frozenset())
+    uses = _forward_uses(gm)
+    tail = _last_unit(uses) | (_tail(uses) if keep_tail else frozenset())
     keep = set()
     for node in gm.graph.nodes:
         if not is_unshard(node):
