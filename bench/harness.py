@@ -21,6 +21,7 @@ import json
 import os
 import shutil
 import socket
+import sys
 import tempfile
 import time
 from dataclasses import asdict, dataclass, field
@@ -294,9 +295,22 @@ def _free_port() -> int:
 
 
 def launch(cfg: BenchConfig, phase: str, workdir: str) -> list[RankResult]:
-    """Run one phase on cfg.nproc local processes; returns each rank's result."""
+    """Run one phase on cfg.nproc local processes; returns each rank's result.
+
+    A phase whose rank a signal kills runs once more: seen here, a sporadic SIGSEGV inside
+    torch.profiler's startup (kineto: "Not starting tracing - insufficient time for warmup"),
+    not in any method. A method's own errors never kill a rank (each rank reports them)."""
     out_path = os.path.join(workdir, f"{phase}.json")
-    mp.spawn(_worker, args=(cfg, phase, _free_port(), out_path), nprocs=cfg.nproc, join=True)
+    for attempt in (1, 2):
+        try:
+            mp.spawn(_worker, args=(cfg, phase, _free_port(), out_path), nprocs=cfg.nproc,
+                     join=True)
+            break
+        except mp.ProcessExitedException as exc:
+            if exc.signal_name is None or attempt == 2:
+                raise
+            print(f"bench: the {phase} launch lost rank {exc.error_index} to {exc.signal_name}; "
+                  "running it again", file=sys.stderr, flush=True)
     with open(out_path) as f:
         return [RankResult(**r) for r in json.load(f)]
 

@@ -19,7 +19,13 @@ _MB = 1e6
 LOSS_REFERENCE = "ddp_eager"
 
 
-def _method_summary(name: str, timing: list[RankResult], profile: list[RankResult]) -> dict:
+def _repeat_medians(per_step: list[float], steps: int) -> list[float]:
+    """The median step of each repeat (the timed steps come in blocks of `steps` per repeat)."""
+    return [statistics.median(per_step[i:i + steps]) for i in range(0, len(per_step), steps)]
+
+
+def _method_summary(name: str, timing: list[RankResult], profile: list[RankResult],
+                    steps: int) -> dict:
     """One method's numbers. A step lasts until its slowest rank finishes: max over ranks."""
     entry: dict = {"status": timing[0].status.get(name, "not run"),
                    "description": method(name).description}
@@ -29,6 +35,7 @@ def _method_summary(name: str, timing: list[RankResult], profile: list[RankResul
     stats = TimeStats.of(per_step)
     entry["step_ms"] = {"median": stats.median_s * 1e3, "min": stats.min_s * 1e3,
                         "max": stats.max_s * 1e3, "n": stats.n}
+    entry["repeat_median_ms"] = [t * 1e3 for t in _repeat_medians(per_step, steps)]
     entry["losses"] = [statistics.fmean(ls) for ls in zip(*(r.losses[name] for r in timing))]
     if method(name).compiled:
         entry["dynamo"] = timing[0].dynamo.get(name)  # during the cold warm-up
@@ -55,7 +62,7 @@ def _method_summary(name: str, timing: list[RankResult], profile: list[RankResul
 
 
 def summarize(cfg: BenchConfig, timing: list[RankResult], profile: list[RankResult]) -> dict:
-    methods = {name: _method_summary(name, timing, profile) for name in cfg.methods}
+    methods = {name: _method_summary(name, timing, profile, cfg.steps) for name in cfg.methods}
     ok = [name for name, m in methods.items() if m["status"] == OK]
 
     reference = LOSS_REFERENCE if LOSS_REFERENCE in ok else (ok[0] if ok else None)
@@ -64,6 +71,12 @@ def summarize(cfg: BenchConfig, timing: list[RankResult], profile: list[RankResu
         for base in BASELINES:
             if base in ok:
                 m[f"ratio_vs_{base}"] = m["step_ms"]["median"] / methods[base]["step_ms"]["median"]
+                # Paired in time: each repeat runs every method back to back, so the ratio of
+                # their medians within a repeat cancels the machine's drift between repeats.
+                paired = [a / b for a, b in zip(m["repeat_median_ms"],
+                                                methods[base]["repeat_median_ms"])]
+                m[f"repeat_ratios_vs_{base}"] = {"median": statistics.median(paired),
+                                                  "min": min(paired), "max": max(paired)}
         ref = methods[reference]["losses"]
         m["loss_max_abs_diff"] = max((abs(a - b) for a, b in zip(m["losses"], ref)), default=0.0)
 
@@ -99,8 +112,13 @@ def _fmt(value, spec: str) -> str:
     return "-" if value is None else format(value, spec)
 
 
+def _spread(ratios: dict | None) -> str:
+    return "-" if ratios is None else f"{ratios['median']:.2f} [{ratios['min']:.2f}-{ratios['max']:.2f}]"
+
+
 def format_table(summary: dict) -> str:
-    headers = ["method", "step ms median [min-max]", "x fsdp2_eager", "x ddp_eager",
+    headers = ["method", "step ms median [min-max]", "x fsdp2_eager", "per repeat [min-max]",
+               "x ddp_eager",
                "coll/step", "comm MB/step", "peak MiB/rank", "predicted MiB", "compile s cold/warm",
                f"loss max|d| vs {summary['loss_reference']}"]
     rows = []
@@ -114,6 +132,7 @@ def format_table(summary: dict) -> str:
             name,
             f"{t['median']:.1f} [{t['min']:.1f}-{t['max']:.1f}]",
             _fmt(m.get("ratio_vs_fsdp2_eager"), ".2f"),
+            _spread(m.get("repeat_ratios_vs_fsdp2_eager")),
             _fmt(m.get("ratio_vs_ddp_eager"), ".2f"),
             _fmt(m.get("collectives_per_step"), "d"),
             _fmt(m.get("comm_mb_per_step"), ".2f"),

@@ -12,7 +12,7 @@ import torch
 from torch.distributed.device_mesh import init_device_mesh
 
 from graphshard.bench.__main__ import main
-from graphshard.bench.harness import BenchConfig, set_up
+from graphshard.bench.harness import BenchConfig, RankResult, set_up
 from graphshard.bench.measure import (analyze, count_frees_on_every_thread, measured_step,
                                       memory_profile)
 from graphshard.bench.workload import build_workload, transformer_blocks
@@ -46,6 +46,9 @@ def test_bench_smoke(tmp_path):
         assert len(method["losses"]) == 3  # 1 warm-up + 2 timed steps
         assert method["loss_max_abs_diff"] <= 1e-4
         assert method["ratio_vs_ddp_eager"] > 0 and method["ratio_vs_fsdp2_eager"] > 0
+        assert len(method["repeat_median_ms"]) == 1
+        paired = method["repeat_ratios_vs_fsdp2_eager"]
+        assert paired["min"] == paired["median"] == paired["max"] > 0  # one repeat: one ratio
 
     ddp, fsdp2 = results["methods"]["ddp_eager"], results["methods"]["fsdp2_eager"]
     assert max(abs(a - b) for a, b in zip(ddp["losses"], fsdp2["losses"])) <= 1e-4
@@ -53,6 +56,60 @@ def test_bench_smoke(tmp_path):
     # (root, block forward, block backward) and 2 reduce-scatters (gloo runs them as all-reduce).
     assert ddp["collectives_by_kind"] == {"all_reduce": 1}
     assert fsdp2["collectives_by_kind"] == {"all_gather": 3, "all_reduce": 2}
+
+
+def test_ratio_per_repeat_pairs_the_methods_timed_back_to_back():
+    """Each repeat times every method back to back: the ratio of their medians within a repeat
+    (its median, min and max over repeats) is the spread the machine's drift leaves."""
+    from graphshard.bench.report import summarize
+
+    cfg = BenchConfig(methods=("ddp_eager", "fsdp2_eager"), steps=2, repeats=3)
+    rank = RankResult(status={"ddp_eager": "ok", "fsdp2_eager": "ok"},
+                      step_s={"ddp_eager": [1.0, 1.0, 3.0, 3.0, 2.0, 2.0],
+                              "fsdp2_eager": [2.0, 2.0, 4.0, 4.0, 8.0, 8.0]},
+                      losses={"ddp_eager": [1.0], "fsdp2_eager": [1.0]})
+    ddp = summarize(cfg, [rank, rank], [RankResult(), RankResult()])["methods"]["ddp_eager"]
+    assert ddp["repeat_median_ms"] == [1000.0, 3000.0, 2000.0]
+    assert ddp["repeat_ratios_vs_fsdp2_eager"] == {"median": 0.5, "min": 0.25, "max": 0.75}
+    assert ddp["ratio_vs_fsdp2_eager"] == 0.5  # overall medians: 2 s against 4 s
+
+
+def _fake_spawn(failures: list[str | None]):
+    """mp.spawn stand-in: raises for each entry of `failures` (a signal name, or None for a
+    plain non-zero exit), then writes one empty result per rank."""
+    calls = []
+
+    def spawn(fn, args, nprocs, join):
+        calls.append(args)
+        if len(calls) <= len(failures):
+            signal = failures[len(calls) - 1]
+            raise torch.multiprocessing.ProcessExitedException(
+                "rank died", 0, 1234, -11 if signal else 1, signal)
+        with open(args[-1], "w") as f:
+            json.dump([asdict(RankResult())] * nprocs, f)
+
+    return spawn, calls
+
+
+def test_a_phase_whose_rank_a_signal_kills_runs_once_more(tmp_path, monkeypatch):
+    import graphshard.bench.harness as harness
+
+    spawn, calls = _fake_spawn(["SIGSEGV"])
+    monkeypatch.setattr(harness.mp, "spawn", spawn)
+    assert len(harness.launch(BenchConfig(), "profile", str(tmp_path))) == 2
+    assert len(calls) == 2
+
+    spawn, calls = _fake_spawn(["SIGSEGV", "SIGSEGV"])  # twice: a real fault, reported
+    monkeypatch.setattr(harness.mp, "spawn", spawn)
+    with pytest.raises(torch.multiprocessing.ProcessExitedException):
+        harness.launch(BenchConfig(), "profile", str(tmp_path))
+    assert len(calls) == 2
+
+    spawn, calls = _fake_spawn([None])  # a rank that exited with an error: not run again
+    monkeypatch.setattr(harness.mp, "spawn", spawn)
+    with pytest.raises(torch.multiprocessing.ProcessExitedException):
+        harness.launch(BenchConfig(), "timing", str(tmp_path))
+    assert len(calls) == 1
 
 
 # graphshard without Inductor (the same collectives, a much cheaper compile); its all-gathers
