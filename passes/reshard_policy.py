@@ -28,6 +28,7 @@ Who decides (backend option `reshard_after_forward`, decided per unit: a repeate
 from __future__ import annotations
 
 import fnmatch
+import itertools
 from dataclasses import dataclass
 from typing import Callable, Collection, Iterable, Mapping, Sequence
 
@@ -147,20 +148,22 @@ def keeping_costs_peak_memory(forward: fx.GraphModule, backward: fx.GraphModule,
     counted = lambda node: not is_reduce_grad(node)  # noqa: E731
     fw_nodes, fw_buffers = list(forward.graph.nodes), Buffers(forward)
     fw_live = live_bytes(fw_nodes, fw_buffers, counted)
-    fw_resharded = list(fw_live)
+    fw_freed = [0] * len(fw_nodes)  # [t]: bytes resharding frees just before slot t
     output = fw_nodes[-1]
     fw_spans = _read_spans(fw_nodes, fw_buffers, skip=output)
+    saved_buffers = {saved: set(fw_buffers.owned.get(saved, ())) for saved in output.all_input_nodes}
     unit_of_saved: dict[str, str] = {}  # saved value's name -> the unit whose weights it holds
     for index, node in enumerate(fw_nodes):
         if not (is_unshard(node) and UnshardSpec.from_node(node).name in params):
             continue
         mine = set(fw_buffers.owned[node])
-        for saved in output.all_input_nodes:
-            if mine & set(fw_buffers.owned.get(saved, ())):
+        for saved, holds in saved_buffers.items():
+            if mine & holds:
                 unit_of_saved[saved.name] = reshard_unit(UnshardSpec.from_node(node).name)
         last_read = max((fw_spans[b][1] for b in mine if b in fw_spans), default=index)
-        for t in range(last_read + 1, len(fw_nodes)):
-            fw_resharded[t] -= fw_buffers.bytes_of([node])
+        if last_read + 1 < len(fw_nodes):
+            fw_freed[last_read + 1] += fw_buffers.bytes_of([node])
+    fw_resharded = [live - freed for live, freed in zip(fw_live, itertools.accumulate(fw_freed))]
 
     bw_nodes = list(backward.graph.nodes)
     bw_buffers = Buffers(backward, saved_activations(backward))
