@@ -50,10 +50,20 @@ def boxed(fn: Callable) -> Callable:
 
 def inductor_partition(joint: fx.GraphModule, joint_inputs, **kwargs):
     """Inductor's min-cut partitioner (it honours the recompute tags we set on the joint graph).
+    Its joint-graph rewrites (pattern matching: about half of a partition's time on a large
+    graph) run on the first partition of `joint` only: they rewrite the graph in place, and a
+    joint graph partitioned again under other recompute tags (the default's tail check, each
+    "auto" probe, each reshard decision the planner weighs) needs them no more.
     Public replacement: none."""
+    from torch._inductor import config as inductor_config
     from torch._inductor.compile_fx import partition_fn
 
-    return partition_fn(joint, joint_inputs, **kwargs)
+    rewritten = joint.meta.get("graphshard_joint_passes_run", False)
+    with inductor_config.patch(use_joint_graph_passes=inductor_config.use_joint_graph_passes
+                               and not rewritten):
+        forward, backward = partition_fn(joint, joint_inputs, **kwargs)
+    joint.meta["graphshard_joint_passes_run"] = True
+    return forward, backward
 
 
 def inductor_compile_graph(gm: fx.GraphModule, example_inputs: Sequence[Any], graph_kind: str):
