@@ -36,7 +36,9 @@ def _parser() -> argparse.ArgumentParser:
                    help="model config overrides, e.g. dim=32,n_layers=1")
     p.add_argument("--nproc", type=int, default=2, help="world size (local processes)")
     p.add_argument("--methods", type=_methods, default=DEFAULT_METHODS,
-                   help=f"comma list from: {', '.join(METHODS)} (default: all)")
+                   help=f"comma list from: {', '.join(METHODS)} (default: all); graphshard "
+                        "with backend options as graphshard:KEY=VALUE+KEY=VALUE, e.g. "
+                        "graphshard:prefetch=2+bucket_mb=25")
     p.add_argument("--batch", type=int, default=8, help="global batch, split evenly over ranks")
     p.add_argument("--seq", type=int, default=32, help="sequence length")
     p.add_argument("--steps", type=int, default=10, help="timed steps per method per repeat")

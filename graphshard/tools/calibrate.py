@@ -137,8 +137,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     from tabulate import tabulate
     parser = argparse.ArgumentParser(prog="graphshard calibrate",
                                      description="measure this machine's cost-model parameters")
-    parser.add_argument("--world-size", type=int, default=2)
-    parser.add_argument("--repeats", type=int, default=10)
+    parser.add_argument("--world-size", type=int, default=2,
+                        help="local gloo processes the all-gathers run on (default 2)")
+    parser.add_argument("--repeats", type=int, default=10,
+                        help="timings per measurement; the median is kept (default 10)")
     parser.add_argument("--out", help="write the ClusterSpec JSON here")
     args = parser.parse_args(list(sys.argv[1:] if argv is None else argv))
     if args.world_size < 2 or args.repeats < 1:

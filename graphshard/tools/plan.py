@@ -316,7 +316,8 @@ def capture_probes(target: str, layout: Layout, devices: int, seq: int, n_layers
         recorder = Recorder(GraphshardOptions(compiler="eager"), cluster=cluster)
         torch.compiler.reset()
         try:
-            torch.compile(workload.model, backend=recorder, fullgraph=True)(*workload.inputs)
+            with _quiet_selective_checkpoint_notice():
+                torch.compile(workload.model, backend=recorder, fullgraph=True)(*workload.inputs)
         except Exception as e:
             if not caused_by(e, CaptureComplete):
                 raise
@@ -326,6 +327,22 @@ def capture_probes(target: str, layout: Layout, devices: int, seq: int, n_layers
         raise PlanError(f"{target}: no sharded training graph reached the backend (does the model "
                         "have trainable parameters read in forward?)")
     return probes
+
+
+@contextlib.contextmanager
+def _quiet_selective_checkpoint_notice():
+    """Dynamo logs a notice for every selective-checkpointing capture ("make sure the
+    checkpointed region does not contain in-place ops"): advice for a user's own policy, noise
+    among the planner's progress lines (the policy is graphshard's)."""
+    import logging
+
+    logger = logging.getLogger("torch._higher_order_ops.wrap")
+    level = logger.level
+    logger.setLevel(logging.ERROR)
+    try:
+        yield
+    finally:
+        logger.setLevel(level)
 
 
 def _capture_job(job: tuple) -> dict[Knobs, Probe]:
