@@ -41,9 +41,20 @@ from graphshard.policy import MixedPrecisionPolicy, ShardingStrategy, resolve_mi
 
 
 def _bind_local_shard(param: nn.Parameter) -> torch.Tensor:
+    """The leaf a graph reads for `param`, and for a floating-point parameter its twin with the
+    other `requires_grad` (`_graphshard_twin`; both share the shard's storage): a parameter
+    frozen or unfrozen after shard() reads the twin (see `_local_shard`)."""
+    leaf = _leaf(param, param.requires_grad)
+    if param.is_floating_point() or param.is_complex():
+        twin = _leaf(param, not param.requires_grad)
+        leaf._graphshard_twin, twin._graphshard_twin = twin, leaf
+    return leaf
+
+
+def _leaf(param: nn.Parameter, requires_grad: bool) -> torch.Tensor:
     with torch.no_grad():
-        leaf = param.to_local().detach().requires_grad_(param.requires_grad)
-    if param.requires_grad:
+        leaf = param.to_local().detach().requires_grad_(requires_grad)
+    if requires_grad:
         leaf.register_post_accumulate_grad_hook(_grad_mover(param))
     leaf._graphshard_param = param  # the parameter this leaf stands for (checked eagerly)
     return leaf
@@ -83,12 +94,15 @@ def bind_local_shards(model: nn.Module) -> None:
 
 def _local_shard(module: nn.Module, name: str) -> torch.Tensor:
     local = getattr(module, LOCALS_ATTR)[name]
-    if not torch.compiler.is_compiling():
+    param = module._parameters[name]
+    if not torch.compiler.is_compiling() and local._graphshard_param is not param:
         # Eagerly, notice a parameter replaced behind our back (load_state_dict(assign=True),
-        # a user's `_parameters[...] = ...`) or frozen after shard(), and bind the new one.
-        param = module._parameters[name]
-        if local._graphshard_param is not param or local.requires_grad != param.requires_grad:
-            local = getattr(module, LOCALS_ATTR)[name] = _bind_local_shard(param)
+        # a user's `_parameters[...] = ...`) and bind the new one.
+        local = getattr(module, LOCALS_ATTR)[name] = _bind_local_shard(param)
+    if local.requires_grad != param.requires_grad:
+        # Frozen or unfrozen after shard(). Under torch.compile too: Dynamo guards on the
+        # parameter's requires_grad read here, so toggling it recompiles, reading the twin.
+        local = local._graphshard_twin
     return local
 
 

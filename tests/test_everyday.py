@@ -181,6 +181,29 @@ def _meta_checks(strategy: str, tokens: torch.Tensor) -> dict:
     return result
 
 
+def _requires_grad_checks(tokens: torch.Tensor) -> dict:
+    """Compiled (Inductor) steps before and after freezing one module and unfreezing another
+    (staged fine-tuning), and the same on the unsharded model, eagerly."""
+    model, reference = graphshard.shard(_zoo(0)), _zoo(0)
+    compiled = torch.compile(model, backend="graphshard")
+    steps = {}
+    for phase in ("before", "after"):
+        if phase == "after":
+            for m in (model, reference):
+                m.block.requires_grad_(False)
+                m.frozen.requires_grad_(True)
+        zoo_loss(compiled(tokens), tokens).backward()
+        steps[phase] = {n: p.grad.full_tensor() for n, p in model.named_parameters()
+                        if p.grad is not None}
+        zoo_loss(reference(tokens), tokens).backward()
+        steps[f"{phase}_reference"] = {n: p.grad for n, p in reference.named_parameters()
+                                       if p.grad is not None}
+        for p in [*model.parameters(), *reference.parameters()]:
+            p.grad = None
+    torch._dynamo.reset()
+    return steps
+
+
 def _copy_checks(strategy: str, tokens: torch.Tensor, rank: int, directory: str) -> dict:
     result = {}
     model = graphshard.shard(_zoo(0), strategy=strategy,
@@ -244,7 +267,7 @@ def _wrapper_errors() -> dict:
 
 def _everyday(rank: int, world: int, directory: str) -> dict:
     tokens = zoo_batch(4)
-    results = {"wrappers": _wrapper_errors()}
+    results = {"wrappers": _wrapper_errors(), "requires_grad": _requires_grad_checks(tokens)}
     for strategy in STRATEGIES:
         results[strategy] = {**_state_dict_checks(strategy, tokens),
                              **_meta_checks(strategy, tokens),
@@ -299,6 +322,21 @@ def test_full_state_dict_loads_in_place_and_the_compiled_model_reads_it(runs):
         assert _same(r["eager_after"], r["target_out"]), where
         assert _same(r["compiled_after"], r["target_out"]), where
         assert not _same(r["compiled_before"], r["target_out"]), where
+
+
+def test_freezing_and_unfreezing_after_shard_take_effect_in_the_compiled_step(runs):
+    # The compiled graph reads a plain leaf per parameter, not the parameter: a requires_grad
+    # changed after shard() must still reach it (it recompiles), or a frozen module would keep
+    # training and an unfrozen one would silently never train.
+    for rank, result in enumerate(runs[0]):
+        steps = result["requires_grad"]
+        assert "block.weight" in steps["before"] and "frozen.weight" not in steps["before"]
+        assert "block.weight" not in steps["after"] and "frozen.weight" in steps["after"]
+        for phase in ("before", "after"):
+            got, want = steps[phase], steps[f"{phase}_reference"]
+            assert got.keys() == want.keys(), (rank, phase, sorted(got), sorted(want))
+            for name in want:
+                assert _same(got[name], want[name]), (rank, phase, name)
 
 
 def test_bad_keys_are_named_as_torch_names_them(runs):
