@@ -40,6 +40,14 @@ def salt_aot_autograd_cache_key(gm: fx.GraphModule, salt: str) -> None:
     gm._backend_id = salt
 
 
+def graph_input_source(placeholder: fx.Node) -> str | None:
+    """Where Dynamo read a graph input from, as Python (L['self']._modules['lin']...), or None.
+    Public replacement: none."""
+    grapharg = placeholder.meta.get("grapharg")
+    source = getattr(grapharg, "source", None)
+    return None if source is None else str(source.name)
+
+
 def boxed(fn: Callable) -> Callable:
     """Wrap a graph's forward in AOTAutograd's boxed calling convention (compiler="eager").
     Public replacement: none."""

@@ -363,6 +363,19 @@ def _check_plain_parameters(model: nn.Module, slots: list) -> None:
             )
 
 
+def _check_dense_gradients(model: nn.Module) -> None:
+    # A sparse gradient cannot be reduce-scattered (torch's collectives, like FSDP's, take
+    # strided tensors): left alone, it fails deep inside the backward.
+    for fqn, module in model.named_modules():
+        if (isinstance(module, (nn.Embedding, nn.EmbeddingBag)) and module.sparse
+                and module.weight.requires_grad):
+            raise ValueError(
+                f"graphshard.shard: {repr(fqn) if fqn else 'the model'} is an nn.{type(module).__name__} with "
+                "sparse=True, whose gradient is a sparse tensor; graphshard reduces gradients "
+                "with reduce-scatter, which takes dense tensors only (as FSDP does). Build it "
+                "with sparse=False (the default) or freeze its weight before sharding")
+
+
 def _contiguous_strides(shape: torch.Size) -> tuple[int, ...]:
     # The local shard is a contiguous clone, so the global layout is contiguous too (the
     # original parameter may have been a transposed view).
@@ -411,6 +424,7 @@ def shard(
     _check_not_wrapped(model)
     slots = list(_named_param_slots(model))
     _check_plain_parameters(model, slots)
+    _check_dense_gradients(model)
     devices = {param.device for *_, param in slots}
     if len(devices) > 1:
         where = {str(d): next(f for _, _, f, p in slots if p.device == d) for d in devices}

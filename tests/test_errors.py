@@ -84,3 +84,37 @@ def test_cluster_option_must_name_a_calibration_file(tmp_path):
                        memory_bandwidth_Bps=1e11, kernel_overhead_s=1e-6)
     path.write_text(spec.to_json())
     assert GraphshardCompiler(GraphshardOptions.from_dict({"cluster": str(path)})).cluster == spec
+
+
+def test_sparse_embedding_gradients_are_refused_at_shard(fake_pg):
+    # A sparse gradient cannot be reduce-scattered; it used to fail inside the backward.
+    model = nn.Sequential(nn.Embedding(16, 8, sparse=True), nn.Linear(8, 4))
+    with pytest.raises(ValueError, match=r"'0' is an nn.Embedding with sparse=True.*sparse=False"):
+        graphshard.shard(model)
+    bag = nn.EmbeddingBag(16, 8, sparse=True)
+    with pytest.raises(ValueError, match="the model is an nn.EmbeddingBag with sparse=True"):
+        graphshard.shard(bag)
+    frozen = nn.Embedding(16, 8, sparse=True).requires_grad_(False)  # no gradient: nothing to reduce
+    assert isinstance(graphshard.shard(frozen).weight, torch.Tensor)
+
+
+class _PenalisedInForward(nn.Module):
+    """An L2 penalty over self.lin.parameters() inside forward (the sharded DTensors)."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin, self.head = nn.Linear(8, 8), nn.Linear(8, 4)
+
+    def forward(self, x):
+        penalty = sum(p.pow(2).sum() for p in self.lin.parameters())
+        return self.head(torch.tanh(self.lin(x))).sum() + penalty
+
+
+def test_parameters_read_through_parameters_in_forward_are_named(fake_pg):
+    # They are this rank's shards, not the weights: the error used to come from torch, in
+    # backward, as "got mixed torch.Tensor and DTensor".
+    compiled = torch.compile(graphshard.shard(_PenalisedInForward()), backend="graphshard",
+                             options={"compiler": "eager"})
+    with pytest.raises(Exception, match=r"forward reads parameter\(s\) lin.weight, lin.bias "
+                                        r"through module.parameters\(\).*module attributes"):
+        compiled(torch.randn(2, 8))

@@ -16,6 +16,7 @@ import functools
 import hashlib
 import inspect
 import math
+import re
 import warnings
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -201,6 +202,32 @@ def _check_all_parameters_sharded(example_inputs: Sequence[Any]) -> None:
             "replaced after graphshard.shard?): their gradients would never be averaged across "
             "ranks. Create all parameters before graphshard.shard(model), or freeze them."
         )
+
+
+def _check_parameters_read_as_attributes(gm: fx.GraphModule, example_inputs: Sequence[Any]) -> None:
+    # Code that reads a parameter through module.parameters() (an L2 penalty, DDP's
+    # `0 * sum(p.sum() ...)`) gets the sharded DTensor itself, not the gathered weight: its
+    # result is this rank's part, and mixing it with the plain tensors of the rest of the
+    # forward fails only in backward, inside torch.
+    placeholders = [node for node in gm.graph.nodes if node.op == "placeholder"]
+    read = [_parameter_name(node) for node, value in zip(placeholders, example_inputs)
+            if isinstance(value, torch.nn.Parameter) and isinstance(value, DTensor)]
+    if read:
+        raise ValueError(
+            f"forward reads parameter(s) {', '.join(read)} through module.parameters() (or "
+            "named_parameters(), _parameters): after graphshard.shard these hold this rank's "
+            "shard as a DTensor (what optimizers and checkpoints see), not the full weight. "
+            "Read parameters as module attributes (module.weight), which graphshard gathers, "
+            "e.g. sum(getattr(m, n).pow(2).sum() for m in self.modules() for n, _ in "
+            "m.named_parameters(recurse=False)); or compute such a term outside forward, from "
+            "the DTensor parameters.")
+
+
+def _parameter_name(placeholder: fx.Node) -> str:
+    """`layers.0.weight` for a graph input Dynamo read as L['self']._modules['layers']..."""
+    source = compat.graph_input_source(placeholder) or placeholder.name
+    keys = re.findall(r"\['([^']*)'\]", source)
+    return ".".join(keys[1:]) if len(keys) > 1 else source
 
 
 def run_pipeline(gm: fx.GraphModule, ctx: PassContext, observer: StageObserver | None = None,
@@ -400,6 +427,7 @@ class GraphshardCompiler:
                 return gm.forward
             return compat.inductor_compile(gm, example_inputs)
         _check_all_parameters_sharded(example_inputs)
+        _check_parameters_read_as_attributes(gm, example_inputs)
         gm = run_pipeline(gm, self._context("dynamo"), self.observer)
         param_order = _param_order(gm)
         via_all_to_all = self.options.via_all_to_all(on_gloo=_uses_gloo(gm))
