@@ -101,7 +101,8 @@ def _local_shard(module: nn.Module, name: str) -> torch.Tensor:
         local = getattr(module, LOCALS_ATTR)[name] = _bind_local_shard(param)
     if local.requires_grad != param.requires_grad:
         # Frozen or unfrozen after shard(). Under torch.compile too: Dynamo guards on the
-        # parameter's requires_grad read here, so toggling it recompiles, reading the twin.
+        # parameter's requires_grad read here, so toggling it recompiles, reading the twin
+        # (the guard checks the DTensor's layout as well: about 1 us per parameter per call).
         local = local._graphshard_twin
     return local
 
