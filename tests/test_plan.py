@@ -186,3 +186,25 @@ def test_presets_are_listed_in_help(capsys):
     out = capsys.readouterr().out
     assert "h100" in out and "a100" in out and "local" in out
     assert resolve_cluster("local").device_memory_bytes == 24 * 2**30
+
+
+def test_inductors_joint_graph_rewrites_run_once_per_capture(monkeypatch):
+    """Every reshard decision partitions the same joint graph again (and the default's tail
+    check may partition twice); Inductor's joint-graph rewrites run on the first partition only."""
+    import torch._inductor.compile_fx as compile_fx
+    from torch._inductor import config as inductor_config
+
+    rewrites = []
+    partition_fn = compile_fx.partition_fn
+
+    def recording(joint, joint_inputs, **kwargs):
+        rewrites.append(inductor_config.use_joint_graph_passes)
+        return partition_fn(joint, joint_inputs, **kwargs)
+
+    monkeypatch.setattr(compile_fx, "partition_fn", recording)
+    knobs = (planner.Knobs("last", 1, 64.0), planner.Knobs("all", 1, 64.0))
+    layout = planner.Layout("full_shard", 8, "none", "float32", 1)
+    probes = planner.capture_probes("transformer", layout, 8, 32, None, knobs, PRESETS["a100"],
+                                    {"dim": 64, "vocab_size": 256})
+    assert set(probes) == set(knobs)
+    assert len(rewrites) >= 2 and rewrites[0] and not any(rewrites[1:]), rewrites
