@@ -1,4 +1,5 @@
-"""A dead or stuck rank ends the run with a clear error within a bounded time."""
+"""A dead or stuck rank ends the run with a clear error within a bounded time; ranks start from a
+fork server and see the launcher's environment as it is at launch."""
 
 from __future__ import annotations
 
@@ -40,3 +41,23 @@ def test_a_stuck_rank_fails_the_others_at_the_collective_timeout():
     with pytest.raises(DistributedRunError, match="rank0 failed"):
         run_local(_stalls, 2, timeout_s=5)
     assert time.monotonic() - start < 45
+
+
+def _environment_seen(rank: int, world: int, name: str):
+    return os.environ.get(name), os.getppid()
+
+
+def test_ranks_see_the_environment_of_the_launch_and_start_afresh_when_torch_would_read_it_otherwise(
+        monkeypatch):
+    run_local(_environment_seen, 1, "PATH")  # the fork server runs from here on
+    monkeypatch.setenv("GRAPHSHARD_TEST_SETTING", "set after the server started")
+    [(value, parent)] = run_local(_environment_seen, 1, "GRAPHSHARD_TEST_SETTING")
+    assert value == "set after the server started"
+    assert parent != os.getpid()  # forked by the server, which had imported torch already
+    # torch reads TORCH* variables when imported: a changed one is only honoured by a fresh import
+    monkeypatch.setenv("TORCHINDUCTOR_GRAPHSHARD_TEST_SETTING", "1")
+    [(value, parent)] = run_local(_environment_seen, 1, "TORCHINDUCTOR_GRAPHSHARD_TEST_SETTING")
+    assert (value, parent) == ("1", os.getpid())  # spawned by this process
+    monkeypatch.delenv("TORCHINDUCTOR_GRAPHSHARD_TEST_SETTING")
+    [(value, parent)] = run_local(_environment_seen, 1, "TORCHINDUCTOR_GRAPHSHARD_TEST_SETTING")
+    assert value is None and parent != os.getpid()  # back to the server's environment
