@@ -200,6 +200,9 @@ BAD_INPUTS = [
     ([f"{TINY}:make", "--world-size", "0"], "--world-size must be at least 1"),
     ([f"{TINY}:make", "--strategy", "hybrid_shard", "-n", "4"], "needs --shard-size"),
     ([f"{TINY}:make", "--param-dtype", "int8"], "not a floating torch dtype"),
+    ([f"{TINY}:make", "--json", "/no_such_dir/x.json"], "--json '/no_such_dir/x.json': folder"),
+    ([f"{TINY}:make", "--trace", "."], "--trace '.': is a directory"),
+    ([f"{TINY}:make", "--cluster", "tpu"], "unknown cluster 'tpu': a preset (h100, a100, local)"),
 ]
 
 
@@ -296,3 +299,16 @@ def test_a_tied_weight_is_one_parameter_gathered_and_reduced_once(capsys, tmp_pa
     gathered = [c for c in report["collectives"] if c["op"] == "all_gather"
                 and "emb.weight" in c["params"] and c["graph"] == "forward"]
     assert len(gathered) == 1
+
+
+def test_cluster_presets_are_accepted_like_plans(capsys, tmp_path):
+    # `--cluster h100` prices the same graphs for an H100 node: the same bytes, a faster step.
+    steps = {}
+    for cluster in (None, "h100"):
+        out = tmp_path / f"{cluster}.json"
+        argv = [*SMALL_TRANSFORMER, "--world-size", "8", "--quiet", "--json", str(out)]
+        code, _, err = _main(capsys, *argv, *(["--cluster", cluster] if cluster else []))
+        assert code == 0, err
+        steps[cluster] = json.loads(out.read_text())["estimate"]
+    assert steps["h100"]["comm_bytes"] == steps[None]["comm_bytes"]
+    assert steps["h100"]["step_s"] < steps[None]["step_s"] / 2

@@ -165,6 +165,9 @@ def test_auto_keeps_as_many_blocks_beyond_the_default_as_the_device_memory_allow
 
 @pytest.mark.parametrize("argv, message", [
     ([*SMALL, "--devices", "8", "--cluster", "tpu", "--global-batch", "8"], "unknown cluster 'tpu'"),
+    # checked before the capture: a plan takes minutes
+    ([*SMALL, "--devices", "8", "--cluster", "h100", "--global-batch", "8", "--out",
+      "/no_such_dir/best.json"], "--out '/no_such_dir/best.json': folder /no_such_dir does not exist"),
     ([*SMALL, "--devices", "12", "--cluster", "h100", "--global-batch", "12"],
      "not a whole number of nodes of 8 devices"),
     ([*SMALL, "--devices", "8", "--cluster", "h100", "--global-batch", "12"],

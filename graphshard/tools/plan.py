@@ -602,10 +602,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     from graphshard.bench.workload import parse_model_args
     from graphshard.compiler.clusters import resolve_cluster
     from graphshard.policy import DTYPE_NAMES
-    from graphshard.tools.dump.loading import DumpError
+    from graphshard.tools.dump.loading import DumpError, check_output_paths
 
     args = _parser().parse_args(argv)
     try:
+        check_output_paths(out=args.out, json=args.json, trace=args.trace)
         cluster = resolve_cluster(args.cluster)
         model_args = dict(parse_model_args(args.model_args)) if args.model_args else {}
         ac_modes = [m.strip() for m in args.ac.split(",") if m.strip()]

@@ -10,7 +10,7 @@ import time
 from typing import Any, Callable, Sequence
 
 from graphshard.tools.dump.analysis import dump
-from graphshard.tools.dump.loading import DumpError, load_workload, one_line
+from graphshard.tools.dump.loading import DumpError, check_output_paths, load_workload, one_line
 from graphshard.tools.dump.report import format_report
 
 USAGE_ERROR = 2  # bad input: one line on stderr
@@ -69,7 +69,9 @@ def _parser() -> argparse.ArgumentParser:
                    help="factory keyword arguments, e.g. n_layers=2,dim=64 (built-ins: config)")
     p.add_argument("--no-meta", dest="meta", action="store_false",
                    help="call a factory as written instead of under torch.device('meta')")
-    p.add_argument("--cluster", metavar="FILE", help="ClusterSpec JSON (graphshard calibrate)")
+    p.add_argument("--cluster", metavar="PRESET|FILE",
+                   help="a preset (h100, a100, local: graphshard/compiler/clusters.py) or a "
+                        "JSON file from `graphshard calibrate --out FILE`")
     p.add_argument("--json", metavar="FILE",
                    help="write the report as JSON (schema: graphshard/tools/dump/report.py)")
     p.add_argument("--trace", metavar="FILE", help="write a Chrome trace of the simulated step")
@@ -111,13 +113,14 @@ def run(argv: Sequence[str]) -> int:
         options = parse_option_strings(args.option)
     except ValueError as e:
         raise DumpError(str(e)) from None
+    check_output_paths(json=args.json, trace=args.trace)
     cluster = None
     if args.cluster:
-        from graphshard.compiler.cost_model import ClusterSpec
+        from graphshard.compiler.clusters import resolve_cluster
         try:
-            cluster = ClusterSpec.from_json(args.cluster)
+            cluster = resolve_cluster(args.cluster)
         except (OSError, ValueError, TypeError) as e:
-            raise DumpError(f"--cluster {args.cluster!r}: {one_line(e)}") from None
+            raise DumpError(f"--cluster: {one_line(e)}") from None
 
     workload = load_workload(args.target, meta=args.meta, batch=args.batch, seq_len=args.seq,
                              model_args=_model_args(args.model_args))

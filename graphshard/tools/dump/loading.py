@@ -21,6 +21,21 @@ def one_line(e: BaseException) -> str:
     return f"{type(e).__name__}: {text[0]}" if text else type(e).__name__
 
 
+def check_output_paths(**paths: str | None) -> None:
+    """Before any work: each given output file (flag name -> path) can be written, so a long run
+    does not end in a traceback. Raises DumpError naming the flag."""
+    for flag, path in paths.items():
+        if path is None:
+            continue
+        folder = os.path.dirname(os.path.abspath(path))
+        problem = ("is a directory" if os.path.isdir(path)
+                   else f"folder {folder} does not exist" if not os.path.isdir(folder)
+                   else f"folder {folder} is not writable" if not os.access(folder, os.W_OK)
+                   else None)
+        if problem:
+            raise DumpError(f"--{flag} {path!r}: {problem}")
+
+
 @dataclass
 class Workload:
     model: Any
