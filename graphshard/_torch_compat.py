@@ -259,3 +259,23 @@ def sharded_like(param, local: torch.Tensor):
         return DTensor.from_local(local, param.device_mesh, param.placements, run_check=False,
                                   shape=param.shape, stride=param.stride())
     return DTensor(local, param._spec, requires_grad=False)
+
+
+def wrapper_tensor(cls: type, like: torch.Tensor) -> torch.Tensor:
+    """An instance of the tensor subclass `cls` with `like`'s metadata and no storage of its own
+    (its __torch_dispatch__ computes on a tensor it holds). Public replacement: none (every
+    torch wrapper subclass, DTensor included, is made this way)."""
+    return torch.Tensor._make_wrapper_subclass(
+        cls, like.shape, strides=like.stride(), storage_offset=like.storage_offset(),
+        dtype=like.dtype, device=like.device, requires_grad=False)
+
+
+def written_arguments(func, args: tuple, kwargs: dict) -> list:
+    """The values of an ATen call that the op writes in place (its schema's mutable
+    arguments). Public replacement: none (OpOverload's schema is private)."""
+    written = []
+    for index, argument in enumerate(func._schema.arguments):
+        value = args[index] if index < len(args) else kwargs.get(argument.name)
+        if argument.alias_info is not None and argument.alias_info.is_write:
+            written.append(value)
+    return written

@@ -698,8 +698,15 @@ def load(
         k: request[k] for k in state["model"]}
     with _plain_classes(model):
         if optimizer is not None:
-            set_state_dict(model, optimizer, model_state_dict=model_state,
-                           optim_state_dict=request[layout.optim_key])
+            try:
+                set_state_dict(model, optimizer, model_state_dict=model_state,
+                               optim_state_dict=request[layout.optim_key])
+            except RuntimeError as exc:  # e.g. saved with untied weights, loaded into tied ones
+                raise CheckpointError(
+                    f"the optimizer state in checkpoint {path} does not fit this model's "
+                    f"parameters ({str(exc).strip().splitlines()[0]}); was it saved from a model "
+                    "with other tied weights? The model's weights were loaded; load with "
+                    "optimizer=None to keep them and start the optimizer afresh") from None
         else:
             set_model_state_dict(model, model_state)
     if optimizer is not None and manifest is not None \

@@ -4,7 +4,8 @@ After sharding, `module._parameters[name]` holds an `nn.Parameter` wrapping a DT
 (Shard(0) on the shard mesh dimension), which is what optimizers, `clip_grad_norm_` and
 `torch.distributed.checkpoint` see. Reading `module.name` goes through a class-level property
 that returns `graphshard::unshard(local_shard)`: the full parameter, by an all-gather at run
-time eagerly, or by whatever the backend's passes make of the marker op under torch.compile.
+time eagerly (as a `GatheredWeight`, whose in-place edits reach the shard), or by whatever the
+backend's passes make of the marker op under torch.compile.
 """
 
 from __future__ import annotations
@@ -18,12 +19,13 @@ import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.tensor import DTensor, Replicate, Shard
-from torch.utils._pytree import tree_map
+from torch.utils._pytree import tree_map, tree_map_only
 
 from graphshard.grad_sync import GradSync, unshard_for_grad_sync
 from graphshard.state import (GRAD_SYNC_ATTR, LOCALS_ATTR, SPECS_ATTR, STATE_ATTR, ShardState,
                               is_sharded, shard_state)
-from graphshard._torch_compat import run_eagerly_when_called_from_eager_code, sharded_like
+from graphshard._torch_compat import (run_eagerly_when_called_from_eager_code, sharded_like,
+                                      wrapper_tensor, written_arguments)
 from graphshard.compiler.ops import call_unshard
 from graphshard.passes.markers import UnshardSpec
 from graphshard.policy import MixedPrecisionPolicy, ShardingStrategy, resolve_mixed_precision
@@ -96,8 +98,11 @@ def _local_shard(module: nn.Module, name: str) -> torch.Tensor:
     local = getattr(module, LOCALS_ATTR)[name]
     param = module._parameters[name]
     if not torch.compiler.is_compiling() and local._graphshard_param is not param:
-        # Eagerly, notice a parameter replaced behind our back (load_state_dict(assign=True),
-        # a user's `_parameters[...] = ...`) and bind the new one.
+        # Eagerly, notice a parameter replaced behind our back (a user's
+        # `module._parameters[name] = ...`) and bind the new one.
+        if not isinstance(param, DTensor):
+            param = module._parameters[name] = _shard_of(param, like=local._graphshard_param,
+                                                         where=f"{type(module).__name__}.{name}")
         local = getattr(module, LOCALS_ATTR)[name] = _bind_local_shard(param)
     if local.requires_grad != param.requires_grad:
         # Frozen or unfrozen after shard(). Under torch.compile too: Dynamo guards on the
@@ -117,9 +122,94 @@ def _param_property(name: str) -> property:
             full = unshard_for_grad_sync(local, spec, getattr(module, GRAD_SYNC_ATTR))
             if full is not None:
                 return full
-        return call_unshard(local, spec)
+        full = call_unshard(local, spec)
+        if torch.compiler.is_compiling():
+            return full
+        # Eager code may edit the weight in place (nn.init, `.data.copy_`, zeroing a padding
+        # row): such an edit must reach the shard, as it would reach an unsharded parameter.
+        return _GatheredWeightGrad.apply(full, local._graphshard_param, module, name)
 
     return property(_eager_when_not_inlined(get), doc=f"full (unsharded) parameter {name!r}")
+
+
+class _GatheredWeightGrad(torch.autograd.Function):
+    """`GatheredWeight` around a gathered weight, passing gradients through to the gather."""
+
+    @staticmethod
+    def forward(ctx, full, param, module, name):
+        return GatheredWeight(full, param, module, name)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad, None, None, None
+
+
+class GatheredWeight(torch.Tensor):
+    """What reading `module.weight` returns in eager code: the gathered full weight, whose
+    in-place edits (on it or on a view of it: `nn.init.normal_(m.weight)`,
+    `m.weight.data.copy_(w)`, `m.emb.weight[0].zero_()`) are written back to this rank's shard,
+    as they would be kept by an unsharded parameter. Every other op computes on the plain full
+    tensor and returns plain tensors. A weight read in its compute dtype (mixed precision) is a
+    rounded copy: editing it is refused, naming what to edit instead."""
+
+    @staticmethod
+    def __new__(cls, full: torch.Tensor, param: nn.Parameter, module: nn.Module, name: str,
+                root: torch.Tensor | None = None):
+        self = wrapper_tensor(cls, full)
+        # (underscored: Tensor already has `name`, `data`, ...)
+        self._full, self._param, self._module, self._attr = full, param, module, name
+        self._root = full if root is None else root  # the whole gathered weight, under views
+        return self
+
+    def __repr__(self) -> str:
+        return f"GatheredWeight({self._full!r})"
+
+    # Its requires_grad and gradient are the parameter's: `m.weight.requires_grad = False`
+    # freezes the parameter, `m.weight.grad` is its (sharded) gradient, as on an unsharded model.
+    @property
+    def requires_grad(self) -> bool:
+        return torch.Tensor.requires_grad.__get__(self)
+
+    @requires_grad.setter
+    def requires_grad(self, value: bool) -> None:
+        self._param.requires_grad_(value)
+
+    def requires_grad_(self, requires_grad: bool = True) -> "GatheredWeight":
+        self._param.requires_grad_(requires_grad)
+        return self
+
+    @property
+    def grad(self) -> torch.Tensor | None:
+        return self._param.grad
+
+    @grad.setter
+    def grad(self, value: torch.Tensor | None) -> None:
+        self._param.grad = value
+
+    def write_back(self) -> None:
+        if self._root.dtype != self._param.dtype:
+            raise ValueError(
+                f"graphshard: {type(self._module).__name__}.{self._attr} was edited in place, but "
+                f"reading it returns a {self._root.dtype} copy of the {self._param.dtype} "
+                "parameter (mixed precision), which cannot be written back exactly. Edit the "
+                f"parameter itself: module._parameters[{self._attr!r}] (a DTensor; nn.init and "
+                "in-place ops work on it), or load weights with load_state_dict.")
+        self._param.to_local().copy_(_this_rank_part(self._root, self._param))
+
+    @classmethod
+    def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        plain_args, plain_kwargs = tree_map_only(cls, lambda t: t._full, (args, kwargs))
+        out = func(*plain_args, **plain_kwargs)
+        written = [value for value in written_arguments(func, args, kwargs) if isinstance(value, cls)]
+        for weight in written:
+            weight.write_back()
+        if written and out is written[0]._full:
+            return written[0]  # an in-place op returns its (edited) self
+        if func.is_view and isinstance(args[0], cls) and isinstance(out, torch.Tensor):
+            weight = args[0]
+            return cls(out, weight._param, weight._module, weight._attr, weight._root)
+        return out
 
 
 def _still_on_meta(module: nn.Module) -> str:
@@ -154,6 +244,7 @@ def _sharded_class(cls: type, param_names: tuple[str, ...]) -> type:
     properties["_graphshard_base_class"] = cls
     properties["_graphshard_param_names"] = param_names
     properties["_load_from_state_dict"] = _load_from_state_dict
+    properties["__setattr__"] = _setattr_sharded
     properties["__reduce_ex__"] = _reduce_sharded_module
     properties["__copy__"] = _copy_sharded_module
     if issubclass(cls, nn.RNNBase):
@@ -185,6 +276,40 @@ def _this_rank_part(full: torch.Tensor, param: nn.Parameter) -> torch.Tensor:
         part = _local_dim0_slice(part, mesh.get_local_rank(shard_dim), mesh.size(shard_dim))
     local = param.to_local()
     return part.to(torch.device(mesh.device_type) if local.is_meta else local.device)
+
+
+def _setattr_sharded(self, name: str, value) -> None:
+    """`module.weight = nn.Parameter(full)` after shard(): this rank's shard of it, bound at once
+    (a compiled step reads the new leaf: Dynamo guards on it), as a full state dict loads."""
+    specs = getattr(self, SPECS_ATTR, {})
+    if name in specs and isinstance(value, nn.Parameter) and not isinstance(value, DTensor):
+        value = _shard_of(value, like=getattr(self, LOCALS_ATTR)[name]._graphshard_param,
+                          where=f"{type(self).__name__}.{name}")
+    type(self)._graphshard_base_class.__setattr__(self, name, value)
+    if name in specs and isinstance(value, DTensor):
+        getattr(self, LOCALS_ATTR)[name] = _bind_local_shard(value)
+
+
+def _dtensor_part(full: torch.Tensor, param: nn.Parameter, own_storage: bool) -> DTensor:
+    """This rank's part of `full` as a DTensor laid out like `param`."""
+    part = _this_rank_part(full, param)
+    if own_storage:
+        part = part.clone(memory_format=torch.contiguous_format)
+    return DTensor.from_local(part, param.device_mesh, param.placements, run_check=False,
+                              shape=param.shape, stride=param.stride())
+
+
+def _shard_of(value: torch.Tensor, like: nn.Parameter, where: str) -> nn.Parameter:
+    """A full parameter assigned after shard(), as this rank's shard of it."""
+    if value.shape != like.shape or value.is_meta:
+        raise ValueError(
+            f"graphshard: {where} was replaced after graphshard.shard by a "
+            f"{'meta ' if value.is_meta else ''}tensor of shape {tuple(value.shape)}; the sharded "
+            f"parameter has shape {tuple(like.shape)}. Replace parameters (or modules) before "
+            "graphshard.shard(model), or assign a tensor of the same shape on every rank.")
+    with torch.no_grad():
+        shard = _dtensor_part(value, like, own_storage=True)
+    return nn.Parameter(shard, requires_grad=value.requires_grad)
 
 
 def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys,
@@ -225,12 +350,8 @@ def _to_this_rank(module: nn.Module, state_dict, prefix: str, local_metadata: di
                 continue  # copied (redistributed if need be) by nn.Module's loader
             new = value
         else:
-            part = _this_rank_part(value, param)
-            if assign:  # own storage: the caller's full tensor can be freed
-                part = part.clone(memory_format=torch.contiguous_format)
-            new = DTensor.from_local(part, param.device_mesh, param.placements, run_check=False,
-                                     shape=param.shape, stride=param.stride())
-            if not assign:
+            new = _dtensor_part(value, param, own_storage=assign)  # assign: the caller's full
+            if not assign:                                         # tensor can be freed
                 given[key], state_dict[key] = value, new
                 continue
         given[key] = state_dict.pop(key)

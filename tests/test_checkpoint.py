@@ -22,7 +22,7 @@ import ckpt_workers as workers
 from graphshard import checkpoint
 from graphshard.tools.cli import main as cli_main
 from graphshard.tools.launch import run_local
-from zoo import Zoo
+from zoo import Zoo, zoo_batch, zoo_loss
 
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")
 TOL = dict(atol=1e-6, rtol=0)
@@ -637,6 +637,22 @@ def test_optimizer_requested_but_not_saved(tmp_path):
     with pytest.raises(checkpoint.CheckpointError, match="no optimizer state"):
         checkpoint.load(tmp_path / "ckpt", model, optimizer)
     assert checkpoint.load(tmp_path / "ckpt", model).step == 0
+
+
+def test_optimizer_state_of_other_tied_weights_is_a_checkpoint_error(tmp_path):
+    # Saved untied (head and embedding each with AdamW state), loaded into the tied model:
+    # DCP's own error advises an option graphshard's load does not take.
+    untied, optimizer = workers.make(seed=5, sharded=False)
+    untied.head.weight = nn.Parameter(untied.emb.weight.detach().clone())
+    optimizer = torch.optim.AdamW(untied.parameters(), lr=0.02)
+    zoo_loss(untied(zoo_batch()), zoo_batch()).backward()
+    optimizer.step()
+    checkpoint.save(tmp_path / "ckpt", untied, optimizer, step=1)
+    model, optimizer = workers.make(seed=6, sharded=False)
+    with pytest.raises(checkpoint.CheckpointError, match="does not fit this model's parameters "
+                       r"\(.*\); was it saved from a model with other tied weights"):
+        checkpoint.load(tmp_path / "ckpt", model, optimizer)
+    assert checkpoint.load(tmp_path / "ckpt", model).step == 1
 
 
 def test_save_refuses_to_replace_other_data(tmp_path):

@@ -181,23 +181,44 @@ def _meta_checks(strategy: str, tokens: torch.Tensor) -> dict:
     return result
 
 
+def _edit_weights(model: nn.Module) -> None:
+    """Weight edits users make through module attributes: in place (with gradients on or off),
+    and by assigning a new parameter."""
+    torch.manual_seed(3)  # the same random init on every rank and on the reference
+    nn.init.orthogonal_(model.block.weight)
+    model.gate.weight = nn.Parameter(torch.full((1, 6), 0.1))  # (1, 6): an empty shard at 2
+    with torch.no_grad():
+        model.emb.weight[0].zero_()  # a padding row (11 rows: uneven shards; tied to the head)
+        model.gate.bias.data.copy_(torch.tensor([0.25]))
+        model.scale.mul_(2).add_(1)  # 0-dim: replicated
+
+
 def _requires_grad_checks(tokens: torch.Tensor) -> dict:
     """Compiled (Inductor) steps before and after freezing one module and unfreezing another
-    (staged fine-tuning), and the same on the unsharded model, eagerly."""
+    (staged fine-tuning), then after editing weights through module attributes
+    (`_edit_weights`); the same on the unsharded model, eagerly."""
     model, reference = graphshard.shard(_zoo(0)), _zoo(0)
     compiled = torch.compile(model, backend="graphshard")
     steps = {}
-    for phase in ("before", "after"):
+    for phase in ("before", "after", "edited"):
         if phase == "after":
             for m in (model, reference):
-                m.block.requires_grad_(False)
+                m.block.weight.requires_grad = False  # through the attribute, as users write it
+                m.block.bias.requires_grad_(False)
                 m.frozen.requires_grad_(True)
+        if phase == "edited":
+            for m in (model, reference):
+                _edit_weights(m)
+            steps["edited_params"] = _full_params(model)
+            steps["edited_reference_params"] = {n: p.detach().clone()
+                                                for n, p in reference.named_parameters()}
         zoo_loss(compiled(tokens), tokens).backward()
         steps[phase] = {n: p.grad.full_tensor() for n, p in model.named_parameters()
                         if p.grad is not None}
         zoo_loss(reference(tokens), tokens).backward()
         steps[f"{phase}_reference"] = {n: p.grad for n, p in reference.named_parameters()
                                        if p.grad is not None}
+        steps[f"{phase}_attribute_grad"] = model.gate.weight.grad is model.gate._parameters["weight"].grad
         for p in [*model.parameters(), *reference.parameters()]:
             p.grad = None
     torch._dynamo.reset()
@@ -267,7 +288,11 @@ def _wrapper_errors() -> dict:
 
 def _everyday(rank: int, world: int, directory: str) -> dict:
     tokens = zoo_batch(4)
-    results = {"wrappers": _wrapper_errors(), "requires_grad": _requires_grad_checks(tokens)}
+    results = {"wrappers": _wrapper_errors(), "requires_grad": _requires_grad_checks(tokens),
+               "bf16_edit_error": _error(lambda: nn.init.zeros_(
+                   graphshard.shard(_zoo(0), param_dtype=torch.bfloat16).block.weight)),
+               "reshaped_error": _error(lambda: setattr(
+                   graphshard.shard(_zoo(0)).block, "weight", nn.Parameter(torch.zeros(2, 6))))}
     for strategy in STRATEGIES:
         results[strategy] = {**_state_dict_checks(strategy, tokens),
                              **_meta_checks(strategy, tokens),
@@ -337,6 +362,28 @@ def test_freezing_and_unfreezing_after_shard_take_effect_in_the_compiled_step(ru
             assert got.keys() == want.keys(), (rank, phase, sorted(got), sorted(want))
             for name in want:
                 assert _same(got[name], want[name]), (rank, phase, name)
+
+
+def test_weights_edited_through_attributes_reach_the_shards_and_the_compiled_step(runs):
+    # Reading module.weight gathers a copy: an edit of that copy (nn.init, .data.copy_, a
+    # padding row zeroed) must be written back to the shard, or it is silently lost; a
+    # parameter assigned to the attribute must become a shard, or each rank trains its own.
+    for rank, result in enumerate(runs[0]):
+        steps = result["requires_grad"]
+        got, want = steps["edited_params"], steps["edited_reference_params"]
+        for name in want:
+            assert _same(got[name], want[name]), (rank, name)
+        assert not got["emb.weight"][0].any() and got["scale"].item() == pytest.approx(4.0)
+        assert steps["edited_attribute_grad"]  # module.weight.grad is the parameter's
+        assert steps["edited"].keys() == steps["edited_reference"].keys()
+        for name in steps["edited_reference"]:
+            assert _same(steps["edited"][name], steps["edited_reference"][name]), (rank, name)
+        # A weight read in its compute dtype is a rounded copy: editing it is refused, by name.
+        assert ("ValueError: graphshard: ShardedLinear.weight was edited in place, but reading "
+                "it returns a torch.bfloat16 copy") in result["bf16_edit_error"], result
+        assert ("ValueError: graphshard: ShardedLinear.weight was replaced after graphshard.shard "
+                "by a tensor of shape (2, 6); the sharded parameter has shape (6, 6)"
+                ) in result["reshaped_error"], result
 
 
 def test_bad_keys_are_named_as_torch_names_them(runs):
