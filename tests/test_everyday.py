@@ -492,3 +492,34 @@ def test_unknown_backend_option_is_the_first_line(fake_pg):
     assert first_line.startswith("unknown graphshard option(s) ['bucket']; valid options: "
                                  "bucket_mb"), first_line
     torch._dynamo.reset()
+
+
+def _hugging_face_model(kind: str) -> nn.Module:
+    from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    if kind == "llama":
+        return LlamaForCausalLM(LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=48,
+                                            num_hidden_layers=1, num_attention_heads=4,
+                                            num_key_value_heads=2))
+    return GPT2LMHeadModel(GPT2Config(vocab_size=64, n_embd=32, n_layer=1, n_head=4,
+                                      bos_token_id=0, eos_token_id=0))  # tied head
+
+
+def _reinitialised(rank: int, world: int, kind: str) -> dict[str, torch.Tensor]:
+    model = graphshard.shard(_hugging_face_model(kind))
+    torch.manual_seed(1)
+    model.apply(model._init_weights)  # Hugging Face's init, after sharding
+    return _full_params(model)
+
+
+@pytest.mark.parametrize("kind", ["llama", "gpt2"])
+def test_hugging_face_init_weights_after_shard_gives_the_unsharded_models_weights(kind):
+    reference = _hugging_face_model(kind)
+    before = {n: p.detach().clone() for n, p in reference.named_parameters()}
+    torch.manual_seed(1)
+    reference.apply(reference._init_weights)
+    assert any(not torch.equal(before[n], p) for n, p in reference.named_parameters())
+    for params in run_local(_reinitialised, 2, kind):
+        for name, value in reference.named_parameters():
+            assert torch.equal(params[name], value), name
