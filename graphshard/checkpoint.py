@@ -701,12 +701,16 @@ def load(
             try:
                 set_state_dict(model, optimizer, model_state_dict=model_state,
                                optim_state_dict=request[layout.optim_key])
-            except RuntimeError as exc:  # e.g. saved with untied weights, loaded into tied ones
+            except RuntimeError as exc:
+                if "Missing optimizer state" not in str(exc):
+                    raise
+                # e.g. saved with untied weights, loaded into tied ones; DCP's advice
+                # (StateDictOptions) is not an option of this call
                 raise CheckpointError(
                     f"the optimizer state in checkpoint {path} does not fit this model's "
                     f"parameters ({str(exc).strip().splitlines()[0]}); was it saved from a model "
-                    "with other tied weights? The model's weights were loaded; load with "
-                    "optimizer=None to keep them and start the optimizer afresh") from None
+                    "with other tied weights? Load with optimizer=None to load the weights alone "
+                    "and start the optimizer afresh") from exc
         else:
             set_model_state_dict(model, model_state)
     if optimizer is not None and manifest is not None \

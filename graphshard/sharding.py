@@ -19,7 +19,7 @@ import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.tensor import DTensor, Replicate, Shard
-from torch.utils._pytree import tree_map, tree_map_only
+from torch.utils._pytree import tree_leaves, tree_map, tree_map_only
 
 from graphshard.grad_sync import GradSync, unshard_for_grad_sync
 from graphshard.state import (GRAD_SYNC_ATTR, LOCALS_ATTR, SPECS_ATTR, STATE_ATTR, ShardState,
@@ -147,68 +147,120 @@ class _GatheredWeightGrad(torch.autograd.Function):
 class GatheredWeight(torch.Tensor):
     """What reading `module.weight` returns in eager code: the gathered full weight, whose
     in-place edits (on it or on a view of it: `nn.init.normal_(m.weight)`,
-    `m.weight.data.copy_(w)`, `m.emb.weight[0].zero_()`) are written back to this rank's shard,
-    as they would be kept by an unsharded parameter. Every other op computes on the plain full
-    tensor and returns plain tensors. A weight read in its compute dtype (mixed precision) is a
-    rounded copy: editing it is refused, naming what to edit instead."""
+    `m.weight.data.copy_(w)`, `m.emb.weight[0].zero_()`, `w.chunk(3)[0]`) are written back to
+    this rank's shard, as they would be kept by an unsharded parameter. Every other op computes
+    on the plain full tensor and returns plain tensors. An edit is refused, by name, where
+    writing it back would be wrong: the parameter changed since the read (an optimizer step, an
+    edit through another read), or the read is a rounded copy (mixed precision)."""
 
     @staticmethod
     def __new__(cls, full: torch.Tensor, param: nn.Parameter, module: nn.Module, name: str,
-                root: torch.Tensor | None = None):
+                root: "GatheredWeight | None" = None):
         self = wrapper_tensor(cls, full)
         # (underscored: Tensor already has `name`, `data`, ...)
         self._full, self._param, self._module, self._attr = full, param, module, name
-        self._root = full if root is None else root  # the whole gathered weight, under views
+        self._root = self if root is None else root  # the attribute read, under its views
+        if root is None:
+            self._param_version = param._version  # the shard this read gathered
         return self
 
     def __repr__(self) -> str:
         return f"GatheredWeight({self._full!r})"
 
-    # Its requires_grad and gradient are the parameter's: `m.weight.requires_grad = False`
-    # freezes the parameter, `m.weight.grad` is its (sharded) gradient, as on an unsharded model.
+    # The attribute read itself (not its views or detached aliases) answers for the parameter,
+    # as `module.weight` does unsharded: `m.weight.requires_grad = False` freezes it and
+    # `m.weight.grad` is its gradient (a DTensor, this rank's shard: in-place edits of it stay).
     @property
     def requires_grad(self) -> bool:
+        if self._root is self:
+            return self._param.requires_grad
         return torch.Tensor.requires_grad.__get__(self)
 
     @requires_grad.setter
     def requires_grad(self, value: bool) -> None:
-        self._param.requires_grad_(value)
+        if self._root is self:
+            self._param.requires_grad_(value)
+        else:
+            torch.Tensor.requires_grad.__set__(self, value)
 
     def requires_grad_(self, requires_grad: bool = True) -> "GatheredWeight":
-        self._param.requires_grad_(requires_grad)
+        self.requires_grad = requires_grad
         return self
 
     @property
     def grad(self) -> torch.Tensor | None:
-        return self._param.grad
+        return self._param.grad if self._root is self else torch.Tensor.grad.__get__(self)
 
     @grad.setter
     def grad(self, value: torch.Tensor | None) -> None:
-        self._param.grad = value
+        if self._root is self:
+            self._param.grad = value
+        else:
+            torch.Tensor.grad.__set__(self, value)
+
+    @property
+    def data(self) -> torch.Tensor:
+        return torch.Tensor.data.__get__(self)
+
+    @data.setter
+    def data(self, value: torch.Tensor) -> None:  # Hugging Face's `w.data = init(w.data)`
+        if value.shape != self.shape:
+            raise ValueError(f"graphshard: cannot set {self._attr}.data to shape "
+                             f"{tuple(value.shape)}: the sharded parameter keeps {tuple(self.shape)}")
+        with torch.no_grad():
+            self.copy_(value)
+
+    # Plain-tensor conversions and copies: of the values, not of the module behind them.
+    def numpy(self, *args, **kwargs):
+        return self._full.numpy(*args, **kwargs)
+
+    def tolist(self):
+        return self._full.tolist()
+
+    def __array__(self, dtype=None):
+        return self._full.detach().numpy() if dtype is None else self._full.detach().numpy().astype(dtype)
+
+    def __deepcopy__(self, memo):
+        return self._full.detach().clone()
+
+    def __reduce_ex__(self, protocol):
+        return self._full.detach().clone().__reduce_ex__(protocol)
 
     def write_back(self) -> None:
-        if self._root.dtype != self._param.dtype:
+        root, param = self._root, self._param
+        where = f"{type(self._module).__name__}.{self._attr}"
+        if root._full.dtype != self._param.dtype:
             raise ValueError(
-                f"graphshard: {type(self._module).__name__}.{self._attr} was edited in place, but "
-                f"reading it returns a {self._root.dtype} copy of the {self._param.dtype} "
-                "parameter (mixed precision), which cannot be written back exactly. Edit the "
-                f"parameter itself: module._parameters[{self._attr!r}] (a DTensor; nn.init and "
-                "in-place ops work on it), or load weights with load_state_dict.")
-        self._param.to_local().copy_(_this_rank_part(self._root, self._param))
+                f"graphshard: {where} was edited in place, but reading it returns a "
+                f"{root._full.dtype} copy of the {self._param.dtype} parameter (mixed precision), "
+                "which cannot be written back exactly. Edit the parameter itself: "
+                f"module._parameters[{self._attr!r}] (a DTensor; nn.init and in-place ops work on "
+                "it), or load weights with load_state_dict.")
+        if param._version != root._param_version:
+            raise ValueError(
+                f"graphshard: {where} was edited in place through a read made before the "
+                "parameter last changed (an optimizer step, a load, an edit through another "
+                f"read): writing it back would undo that change. Read {self._attr} again, "
+                "after the change, and edit that.")
+        with torch.no_grad():
+            param.copy_(_dtensor_part(root._full, param, own_storage=False))
+        root._param_version = param._version
 
     @classmethod
     def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         plain_args, plain_kwargs = tree_map_only(cls, lambda t: t._full, (args, kwargs))
         out = func(*plain_args, **plain_kwargs)
-        written = [value for value in written_arguments(func, args, kwargs) if isinstance(value, cls)]
+        written = [value for value in tree_leaves(written_arguments(func, args, kwargs))
+                   if isinstance(value, cls)]  # (a list for the _foreach_ ops)
         for weight in written:
             weight.write_back()
         if written and out is written[0]._full:
             return written[0]  # an in-place op returns its (edited) self
-        if func.is_view and isinstance(args[0], cls) and isinstance(out, torch.Tensor):
+        if func.is_view and isinstance(args[0], cls):  # views (split, unbind: several)
             weight = args[0]
-            return cls(out, weight._param, weight._module, weight._attr, weight._root)
+            return tree_map_only(torch.Tensor, lambda view: cls(view, weight._param, weight._module,
+                                                                weight._attr, weight._root), out)
         return out
 
 
@@ -282,12 +334,31 @@ def _setattr_sharded(self, name: str, value) -> None:
     """`module.weight = nn.Parameter(full)` after shard(): this rank's shard of it, bound at once
     (a compiled step reads the new leaf: Dynamo guards on it), as a full state dict loads."""
     specs = getattr(self, SPECS_ATTR, {})
+    if name in specs and isinstance(value, GatheredWeight) and value._root is value:
+        if value._param is self._parameters[name]:
+            return  # `m.weight -= x`: edited in place, and written back, already
+        _tie(self, name, value)  # `head.weight = emb.weight`
+        return
     if name in specs and isinstance(value, nn.Parameter) and not isinstance(value, DTensor):
         value = _shard_of(value, like=getattr(self, LOCALS_ATTR)[name]._graphshard_param,
                           where=f"{type(self).__name__}.{name}")
     type(self)._graphshard_base_class.__setattr__(self, name, value)
     if name in specs and isinstance(value, DTensor):
         getattr(self, LOCALS_ATTR)[name] = _bind_local_shard(value)
+
+
+def _tie(module: nn.Module, name: str, read: GatheredWeight) -> None:
+    """`module.<name> = other.weight` (Hugging Face's tie_weights) after shard(): the same
+    parameter, read through the same leaf, as shard() leaves weights tied before it."""
+    param, other = module._parameters[name], read._param
+    if (other.shape, other.device_mesh, other.placements) != (param.shape, param.device_mesh,
+                                                               param.placements):
+        raise ValueError(
+            f"graphshard: cannot tie {type(module).__name__}.{name} (shape {tuple(param.shape)}) "
+            f"to {type(read._module).__name__}.{read._attr} (shape {tuple(other.shape)}, "
+            f"{other.placements} on {other.device_mesh}): tie weights before graphshard.shard.")
+    module._parameters[name] = other
+    getattr(module, LOCALS_ATTR)[name] = getattr(read._module, LOCALS_ATTR)[read._attr]
 
 
 def _dtensor_part(full: torch.Tensor, param: nn.Parameter, own_storage: bool) -> DTensor:

@@ -186,11 +186,30 @@ def _edit_weights(model: nn.Module) -> None:
     and by assigning a new parameter."""
     torch.manual_seed(3)  # the same random init on every rank and on the reference
     nn.init.orthogonal_(model.block.weight)
+    nn.init.zeros_(model.block.weight.chunk(3)[1])  # a part of a fused weight (rows 2-3)
     model.gate.weight = nn.Parameter(torch.full((1, 6), 0.1))  # (1, 6): an empty shard at 2
     with torch.no_grad():
         model.emb.weight[0].zero_()  # a padding row (11 rows: uneven shards; tied to the head)
         model.gate.bias.data.copy_(torch.tensor([0.25]))
         model.scale.mul_(2).add_(1)  # 0-dim: replicated
+        model.frozen.bias.data = model.frozen.bias.data * 3  # Hugging Face's ViT init writes so
+        model.frozen.weight -= 0.5
+
+
+def _attribute_read_checks() -> dict:
+    """What else users do with `module.weight` after shard(), eagerly."""
+    model = graphshard.shard(_zoo(0))
+    checks = {}
+    held = model.block.weight
+    with torch.no_grad():
+        model.block._parameters["weight"].add_(1.0)  # an optimizer step, say
+        checks["stale_edit"] = _error(lambda: held[0].zero_())
+    nn.Parameter(model.block.weight.detach())  # detach().requires_grad_() of the read
+    checks["still_trainable"] = model.block._parameters["weight"].requires_grad
+    checks["numpy"] = model.block.weight.detach().numpy().shape
+    checks["deepcopy"] = type(copy.deepcopy(model.block.weight))
+    checks["tolist"] = len(model.block.weight.tolist())
+    return checks
 
 
 def _requires_grad_checks(tokens: torch.Tensor) -> dict:
@@ -291,6 +310,7 @@ def _everyday(rank: int, world: int, directory: str) -> dict:
     results = {"wrappers": _wrapper_errors(), "requires_grad": _requires_grad_checks(tokens),
                "bf16_edit_error": _error(lambda: nn.init.zeros_(
                    graphshard.shard(_zoo(0), param_dtype=torch.bfloat16).block.weight)),
+               "attribute_reads": _attribute_read_checks(),
                "reshaped_error": _error(lambda: setattr(
                    graphshard.shard(_zoo(0)).block, "weight", nn.Parameter(torch.zeros(2, 6))))}
     for strategy in STRATEGIES:
@@ -384,6 +404,17 @@ def test_weights_edited_through_attributes_reach_the_shards_and_the_compiled_ste
         assert ("ValueError: graphshard: ShardedLinear.weight was replaced after graphshard.shard "
                 "by a tensor of shape (2, 6); the sharded parameter has shape (6, 6)"
                 ) in result["reshaped_error"], result
+
+
+def test_a_read_of_module_weight_behaves_like_the_weight(runs):
+    for result in runs[0]:
+        checks = result["attribute_reads"]
+        # an edit through a read held across a change of the parameter would undo the change
+        assert "ValueError: graphshard: ShardedLinear.weight was edited in place through a read " \
+               "made before the parameter last changed" in checks["stale_edit"], checks
+        assert checks["still_trainable"]  # a detached copy's requires_grad is its own
+        assert checks["numpy"] == (6, 6) and checks["tolist"] == 6
+        assert checks["deepcopy"] is torch.Tensor  # the values, not the module behind them
 
 
 def test_bad_keys_are_named_as_torch_names_them(runs):

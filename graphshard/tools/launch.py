@@ -10,7 +10,9 @@ from __future__ import annotations
 import datetime
 import multiprocessing
 import os
+import pickle
 import socket
+import sys
 import tempfile
 import traceback
 from typing import Any, Callable
@@ -22,11 +24,12 @@ import torch.multiprocessing as mp
 DEFAULT_TIMEOUT_S = 120.0
 # Ranks start from a fork server that has imported these once: every launch after a process's
 # first starts its ranks in milliseconds instead of each rank importing torch again (about 3 s a
-# launch here). Forking is safe there: importing them starts no thread.
+# launch here). Importing them starts no Python thread (OpenBLAS's pool handles fork itself).
 _PRELOAD = ["torch", "graphshard"]
-# Variables torch reads once, when imported (TORCH_LOGS, TORCHINDUCTOR_*, OMP_NUM_THREADS, ...):
-# the fork server's ranks see them as they were when it started.
-_READ_AT_IMPORT = ("TORCH", "PYTORCH", "OMP_", "MKL_", "KMP_")
+# Variables read once, when the interpreter starts or torch is imported (TORCH_LOGS,
+# TORCHINDUCTOR_*, OMP_NUM_THREADS, PYTHONHASHSEED, LD_PRELOAD, ...): the fork server's ranks
+# see them as they were when it started, so a change to one means a fresh (spawned) start.
+_READ_AT_IMPORT = ("TORCH", "PYTORCH", "OMP_", "MKL_", "KMP_", "PYTHON", "LD_")
 _server_started_with: dict[str, str] | None = None
 
 
@@ -53,15 +56,20 @@ def launched_by_torchrun() -> bool:
 
 
 def _worker(rank: int, world_size: int, port: int, timeout_s: float, result_dir: str,
-            fn: Callable, args: tuple, threads: int | None, environ: dict[str, str]) -> None:
-    os.environ.clear()  # the launcher's environment now, not the fork server's at its start
+            call: bytes, threads: int | None, environ: dict[str, str]) -> None:
+    # The launcher's environment of now, not the fork server's at its start, before `fn` and
+    # its arguments are unpickled (their modules may read it when imported).
+    os.environ.clear()
     os.environ.update(environ)
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
                       WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank))
+    if "numpy" in sys.modules:  # forked: reseed from the OS, as a spawned rank's numpy is
+        sys.modules["numpy"].random.seed()
     if threads:
         torch.set_num_threads(threads)
     init_from_env(timeout_s)
     try:
+        fn, args = pickle.loads(call)
         result = fn(rank, world_size, *args)
         torch.save(result, os.path.join(result_dir, f"rank{rank}.pt"))
     except BaseException:
@@ -87,8 +95,8 @@ def run_local(fn: Callable[..., Any], world_size: int, *args, timeout_s: float =
     with tempfile.TemporaryDirectory(prefix="graphshard-run-") as result_dir:
         try:
             mp.start_processes(
-                _worker, args=(world_size, free_port(), timeout_s, result_dir, fn, args, threads,
-                               dict(os.environ)),
+                _worker, args=(world_size, free_port(), timeout_s, result_dir,
+                               pickle.dumps((fn, args)), threads, dict(os.environ)),
                 nprocs=world_size, join=True, start_method=_start_method(),
             )
         except mp.ProcessRaisedException as exc:

@@ -31,6 +31,7 @@ def check_output_paths(**paths: str | None) -> None:
         problem = ("is a directory" if os.path.isdir(path)
                    else f"folder {folder} does not exist" if not os.path.isdir(folder)
                    else f"folder {folder} is not writable" if not os.access(folder, os.W_OK)
+                   else "is not writable" if os.path.exists(path) and not os.access(path, os.W_OK)
                    else None)
         if problem:
             raise DumpError(f"--{flag} {path!r}: {problem}")
