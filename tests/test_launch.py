@@ -61,3 +61,16 @@ def test_ranks_see_the_environment_of_the_launch_and_start_afresh_when_torch_wou
     monkeypatch.delenv("TORCHINDUCTOR_GRAPHSHARD_TEST_SETTING")
     [(value, parent)] = run_local(_environment_seen, 1, "TORCHINDUCTOR_GRAPHSHARD_TEST_SETTING")
     assert value is None and parent != os.getpid()  # back to the server's environment
+
+
+def _numpy_draw(rank: int, world: int) -> float:
+    import numpy as np
+
+    return float(np.random.rand())
+
+
+def test_ranks_forked_from_the_server_draw_their_own_numpy_numbers():
+    # numpy is not reseeded at fork: unreseeded, every rank of every launch would augment and
+    # sample alike (spawned ranks seed from the OS)
+    first, second = run_local(_numpy_draw, 2), run_local(_numpy_draw, 2)
+    assert len(set(first + second)) == 4, (first, second)
