@@ -86,7 +86,10 @@ def run_local(fn: Callable[..., Any], world_size: int, *args, timeout_s: float =
     """Run fn(rank, world_size, *args) on `world_size` local processes; return each rank's result.
 
     fn must be importable (a module-level function). A failing or dying rank raises
-    DistributedRunError with that rank's traceback; the others are terminated.
+    DistributedRunError with that rank's traceback; the others are terminated. Ranks fork from
+    a server started at the first launch (see `_PRELOAD`): `fn` sees this process's environment
+    of now, but the launching script's module-level code, which each rank runs again as it
+    starts, sees the environment of the first launch.
     """
     if world_size < 1:
         raise ValueError(f"world_size must be >= 1, got {world_size}")
