@@ -236,6 +236,12 @@ class GatheredWeight(torch.Tensor):
                 "which cannot be written back exactly. Edit the parameter itself: "
                 f"module._parameters[{self._attr!r}] (a DTensor; nn.init and in-place ops work on "
                 "it), or load weights with load_state_dict.")
+        if root._full.shape != param.shape:  # t_(), resize_(), squeeze_() on the read
+            raise ValueError(
+                f"graphshard: {where} was reshaped in place to {tuple(root._full.shape)}; a "
+                f"sharded parameter keeps its shape {tuple(param.shape)}. Assign a new "
+                f"parameter instead (module.{self._attr} = nn.Parameter(...), the same on every "
+                "rank), or reshape before graphshard.shard.")
         if param._version != root._param_version:
             raise ValueError(
                 f"graphshard: {where} was edited in place through a read made before the "

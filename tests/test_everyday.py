@@ -204,6 +204,7 @@ def _attribute_read_checks() -> dict:
     with torch.no_grad():
         model.block._parameters["weight"].add_(1.0)  # an optimizer step, say
         checks["stale_edit"] = _error(lambda: held[0].zero_())
+        checks["reshaped_in_place"] = _error(lambda: model.gate.weight.t_())  # (1, 6) -> (6, 1)
     nn.Parameter(model.block.weight.detach())  # detach().requires_grad_() of the read
     checks["still_trainable"] = model.block._parameters["weight"].requires_grad
     checks["numpy"] = model.block.weight.detach().numpy().shape
@@ -412,6 +413,8 @@ def test_a_read_of_module_weight_behaves_like_the_weight(runs):
         # an edit through a read held across a change of the parameter would undo the change
         assert "ValueError: graphshard: ShardedLinear.weight was edited in place through a read " \
                "made before the parameter last changed" in checks["stale_edit"], checks
+        assert "ValueError: graphshard: ShardedLinear.weight was reshaped in place to (6, 1); a " \
+               "sharded parameter keeps its shape (1, 6)" in checks["reshaped_in_place"], checks
         assert checks["still_trainable"]  # a detached copy's requires_grad is its own
         assert checks["numpy"] == (6, 6) and checks["tolist"] == 6
         assert checks["deepcopy"] is torch.Tensor  # the values, not the module behind them
