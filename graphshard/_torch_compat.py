@@ -48,6 +48,26 @@ def graph_input_source(placeholder: fx.Node) -> str | None:
     return None if source is None else str(source.name)
 
 
+def lazy_graph_modules():
+    """Graph modules made inside generate their Python code only when it is used (called,
+    printed), as inside Inductor's own compile: our passes recompile after each rewrite, and
+    Inductor reads the graph, never the code (a tenth of a plan's time went to generating code
+    no one ran). Public replacement: none."""
+    from torch.fx._lazy_graph_module import _use_lazy_graph_module
+
+    return _use_lazy_graph_module(True)
+
+
+def _lazy(gm: fx.GraphModule) -> fx.GraphModule:
+    """`gm` as a graph module whose code is generated when used (see `lazy_graph_modules`)."""
+    from torch.fx._lazy_graph_module import _LazyGraphModule
+
+    lazy = _LazyGraphModule.from_graphmodule(gm)
+    if lazy is not gm:
+        lazy.meta.update(gm.meta)
+    return lazy
+
+
 def boxed(fn: Callable) -> Callable:
     """Wrap a graph's forward in AOTAutograd's boxed calling convention (compiler="eager").
     Public replacement: none."""
@@ -71,7 +91,7 @@ def inductor_partition(joint: fx.GraphModule, joint_inputs, **kwargs):
                                and not rewritten):
         forward, backward = partition_fn(joint, joint_inputs, **kwargs)
     joint.meta["graphshard_joint_passes_run"] = True
-    return forward, backward
+    return _lazy(forward), _lazy(backward)  # the partitioner makes eager graph modules
 
 
 def inductor_compile_graph(gm: fx.GraphModule, example_inputs: Sequence[Any], graph_kind: str):

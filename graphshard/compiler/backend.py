@@ -446,7 +446,7 @@ class GraphshardCompiler:
             decompositions=compat.inductor_decompositions(),
             keep_inference_input_mutations=True,
         )
-        with compat.fake_mode_of_inputs(example_inputs):
+        with compat.fake_mode_of_inputs(example_inputs), compat.lazy_graph_modules():
             return backend(gm, example_inputs)
 
 
