@@ -66,6 +66,7 @@ from torch.distributed.checkpoint.state_dict import (
 from torch.distributed.tensor import DTensor, Shard
 
 from graphshard import safetensors_io as st
+from graphshard.early_optimizers import use_sharded_parameters
 from graphshard import sharding
 from graphshard.sharding import is_sharded, shard_state
 
@@ -422,6 +423,7 @@ def _collect_state(model: nn.Module, optimizer: torch.optim.Optimizer | None) ->
     with _plain_classes(model):
         if optimizer is None:
             return {"model": get_model_state_dict(model)}
+        use_sharded_parameters(optimizer)  # one created before shard()
         model_state, optim_state = get_state_dict(model, optimizer)
     return {"model": model_state, "optim": optim_state}
 

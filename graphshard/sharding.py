@@ -21,6 +21,7 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.utils._pytree import tree_leaves, tree_map, tree_map_only
 
+from graphshard.early_optimizers import remember_replacement
 from graphshard.grad_sync import GradSync, unshard_for_grad_sync
 from graphshard.state import (GRAD_SYNC_ATTR, LOCALS_ATTR, SPECS_ATTR, STATE_ATTR, ShardState,
                               is_sharded, shard_state)
@@ -92,6 +93,33 @@ def bind_local_shards(model: nn.Module) -> None:
                 leaves[id(param)] = _bind_local_shard(param)
             bound[name] = leaves[id(param)]
         object.__setattr__(module, LOCALS_ATTR, bound)
+
+
+def _following(leaf: torch.Tensor, param: nn.Parameter) -> torch.Tensor:
+    """`leaf`, or the leaf that replaced it, once `param`'s local shard moved to other storage
+    (`module.to(dtype)`, `.double()`: nn.Module sets `param.data`). The replacement is kept on
+    the old leaf, so modules sharing a tied parameter follow it to one new leaf."""
+    with torch.no_grad():
+        local = param.to_local()
+    while not (leaf._graphshard_param is param and leaf.dtype == local.dtype
+               and leaf.device == local.device and leaf.data_ptr() == local.data_ptr()
+               and leaf.shape == local.shape):
+        successor = getattr(leaf, "_graphshard_successor", None)
+        if successor is None:
+            successor = leaf._graphshard_successor = _bind_local_shard(param)
+        leaf = successor
+    return leaf
+
+
+def _apply_sharded(self, fn, recurse: bool = True):
+    """nn.Module._apply (behind `.to()`, `.double()`, `.bfloat16()`, ...), then this module's
+    leaves follow their parameters' new local shards (FSDP2 likewise resets its sharded
+    parameters after `_apply`)."""
+    result = type(self)._graphshard_base_class._apply(self, fn, recurse)
+    leaves = getattr(self, LOCALS_ATTR)
+    for name in leaves:
+        leaves[name] = _following(leaves[name], self._parameters[name])
+    return result
 
 
 def _local_shard(module: nn.Module, name: str) -> torch.Tensor:
@@ -303,6 +331,7 @@ def _sharded_class(cls: type, param_names: tuple[str, ...]) -> type:
     properties["_graphshard_param_names"] = param_names
     properties["_load_from_state_dict"] = _load_from_state_dict
     properties["__setattr__"] = _setattr_sharded
+    properties["_apply"] = _apply_sharded
     properties["__reduce_ex__"] = _reduce_sharded_module
     properties["__copy__"] = _copy_sharded_module
     if issubclass(cls, nn.RNNBase):
@@ -386,7 +415,10 @@ def _shard_of(value: torch.Tensor, like: nn.Parameter, where: str) -> nn.Paramet
             "graphshard.shard(model), or assign a tensor of the same shape on every rank.")
     with torch.no_grad():
         shard = _dtensor_part(value, like, own_storage=True)
-    return nn.Parameter(shard, requires_grad=value.requires_grad)
+    sharded = nn.Parameter(shard, requires_grad=value.requires_grad)
+    if isinstance(value, nn.Parameter):
+        remember_replacement(value, sharded)
+    return sharded
 
 
 def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys,
@@ -653,6 +685,7 @@ def shard(
             new_param, spec = _shard_param(param, fqn, len(sharded), mesh, strategy,
                                            _module_policy(module, policy))
             sharded[id(param)], specs[id(param)] = new_param, spec
+            remember_replacement(param, new_param)  # for an optimizer created before shard()
         module._parameters[name] = sharded[id(param)]
         per_module.setdefault(module, {})[name] = specs[id(param)]
     grad_sync = GradSync()

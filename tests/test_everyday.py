@@ -20,7 +20,7 @@ from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model
 from torch.distributed.tensor import DTensor
 
 import graphshard
-from graphshard import sharding
+from graphshard import checkpoint, sharding
 from graphshard.tools.launch import run_local
 from graphshard.sharding import LOCALS_ATTR, _sharded_class
 from tests.zoo import Zoo, zoo_batch, zoo_loss
@@ -306,9 +306,55 @@ def _wrapper_errors() -> dict:
     return errors
 
 
+def _setup_order_checks(tokens: torch.Tensor, directory: str) -> dict:
+    """What DDP allows that shard() must too: an optimizer built before sharding, and the
+    model cast after it (`model.double()`). Eager steps, every rank on the same tokens."""
+    def train(model, optimizer, steps: int = 2):
+        for _ in range(steps):
+            zoo_loss(model(tokens), tokens).backward()
+            optimizer.step()
+            optimizer.zero_grad()
+        return {n: (p.full_tensor() if isinstance(p, DTensor) else p.detach()).clone()
+                for n, p in model.named_parameters()}
+
+    checks = {}
+    early = _zoo(0)
+    optimizer = torch.optim.AdamW(early.parameters(), lr=0.1)
+    checks["optimizer_first"] = train(graphshard.shard(early), optimizer)
+    usual = graphshard.shard(_zoo(0))
+    usual_optimizer = torch.optim.AdamW(usual.parameters(), lr=0.1)
+    checks["optimizer_after"] = train(usual, usual_optimizer)
+    # Resuming: the optimizer is built before shard(), then loaded (state and all) and stepped.
+    path = os.path.join(directory, "setup-order")
+    checkpoint.save(path, usual, usual_optimizer)
+    resumed = _zoo(1)  # other weights: the load brings them
+    optimizer = torch.optim.AdamW(resumed.parameters(), lr=0.1)
+    checkpoint.load(path, graphshard.shard(resumed), optimizer)
+    checks["resumed"] = train(resumed, optimizer, steps=1)
+    checks["continued"] = train(usual, usual_optimizer, steps=1)
+    stepped = _zoo(0)
+    optimizer = torch.optim.AdamW(stepped.parameters(), lr=0.1)
+    train(stepped, optimizer, steps=1)
+    checks["stepped_first"] = _error(lambda: train(graphshard.shard(stepped), optimizer, steps=1))
+
+    cast, reference = graphshard.shard(_zoo(0)).double(), _zoo(0).double()
+    compiled = torch.compile(cast, backend="graphshard", options={"compiler": "eager"})
+    checks["cast"] = {}
+    for name, model in (("eager", cast), ("compiled", compiled), ("reference", reference)):
+        loss = zoo_loss(model(tokens), tokens)
+        loss.backward()
+        grads = {n: p.grad.full_tensor() if isinstance(p.grad, DTensor) else p.grad.clone()
+                 for n, p in (reference if name == "reference" else cast).named_parameters()
+                 if p.grad is not None}
+        (reference if name == "reference" else cast).zero_grad()
+        checks["cast"][name] = (loss.detach(), grads)
+    return checks
+
+
 def _everyday(rank: int, world: int, directory: str) -> dict:
     tokens = zoo_batch(4)
     results = {"wrappers": _wrapper_errors(), "requires_grad": _requires_grad_checks(tokens),
+               "setup_order": _setup_order_checks(tokens, directory),
                "bf16_edit_error": _error(lambda: nn.init.zeros_(
                    graphshard.shard(_zoo(0), param_dtype=torch.bfloat16).block.weight)),
                "attribute_reads": _attribute_read_checks(),
@@ -418,6 +464,32 @@ def test_a_read_of_module_weight_behaves_like_the_weight(runs):
         assert checks["still_trainable"]  # a detached copy's requires_grad is its own
         assert checks["numpy"] == (6, 6) and checks["tolist"] == 6
         assert checks["deepcopy"] is torch.Tensor  # the values, not the module behind them
+
+
+def test_an_optimizer_built_before_shard_trains_the_shards_and_a_cast_after_shard_holds(runs):
+    for result in runs[0]:
+        checks = result["setup_order"]
+        early, usual = checks["optimizer_first"], checks["optimizer_after"]
+        assert early.keys() == usual.keys()
+        assert all(torch.equal(early[n], usual[n]) for n in usual), "optimizer order changed training"
+        assert not torch.equal(early["block.weight"], _initial_block_weight()), "nothing trained"
+        assert ("ValueError: AdamW holds state (it has stepped) for a parameter of shape"
+                in checks["stepped_first"]), checks["stepped_first"]
+        resumed, continued = checks["resumed"], checks["continued"]
+        assert all(torch.equal(resumed[n], continued[n]) for n in continued), "resume differs"
+        reference_loss, reference_grads = checks["cast"]["reference"]
+        assert reference_loss.dtype == torch.float64
+        for name in ("eager", "compiled"):
+            loss, grads = checks["cast"][name]
+            assert loss.dtype == torch.float64 and torch.allclose(loss, reference_loss, atol=1e-12)
+            assert grads.keys() == reference_grads.keys(), name
+            for n, grad in reference_grads.items():
+                assert grads[n].dtype == torch.float64
+                assert torch.allclose(grads[n], grad, atol=1e-12), (name, n)
+
+
+def _initial_block_weight() -> torch.Tensor:
+    return _zoo(0).block.weight.detach()
 
 
 def test_bad_keys_are_named_as_torch_names_them(runs):
