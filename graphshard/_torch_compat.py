@@ -68,6 +68,12 @@ def _lazy(gm: fx.GraphModule) -> fx.GraphModule:
     return lazy
 
 
+def mark_static(tensor: torch.Tensor) -> None:
+    """Dynamo treats `tensor`'s shape as static, even under dynamic=True or after a shape
+    change elsewhere. Public replacement: none (torch.compiler has no mark_static)."""
+    torch._dynamo.mark_static(tensor)
+
+
 def boxed(fn: Callable) -> Callable:
     """Wrap a graph's forward in AOTAutograd's boxed calling convention (compiler="eager").
     Public replacement: none."""

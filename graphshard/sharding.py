@@ -25,8 +25,8 @@ from graphshard.early_optimizers import remember_replacement
 from graphshard.grad_sync import GradSync, unshard_for_grad_sync
 from graphshard.state import (GRAD_SYNC_ATTR, LOCALS_ATTR, SPECS_ATTR, STATE_ATTR, ShardState,
                               is_sharded, shard_state)
-from graphshard._torch_compat import (run_eagerly_when_called_from_eager_code, sharded_like,
-                                      wrapper_tensor, written_arguments)
+from graphshard._torch_compat import (mark_static, run_eagerly_when_called_from_eager_code,
+                                      sharded_like, wrapper_tensor, written_arguments)
 from graphshard.compiler.ops import call_unshard
 from graphshard.passes.markers import UnshardSpec
 from graphshard.policy import MixedPrecisionPolicy, ShardingStrategy, resolve_mixed_precision
@@ -57,6 +57,9 @@ def _bind_local_shard(param: nn.Parameter) -> torch.Tensor:
 def _leaf(param: nn.Parameter, requires_grad: bool) -> torch.Tensor:
     with torch.no_grad():
         leaf = param.to_local().detach().requires_grad_(requires_grad)
+    # Static shapes, as Dynamo gives nn.Parameters even under dynamic=True: a shard's shape
+    # never changes, and symbolic shard sizes would reach the collectives' padding.
+    mark_static(leaf)
     if requires_grad:
         leaf.register_post_accumulate_grad_hook(_grad_mover(param))
     leaf._graphshard_param = param  # the parameter this leaf stands for (checked eagerly)

@@ -312,3 +312,19 @@ def test_cluster_presets_are_accepted_like_plans(capsys, tmp_path):
         steps[cluster] = json.loads(out.read_text())["estimate"]
     assert steps["h100"]["comm_bytes"] == steps[None]["comm_bytes"]
     assert steps["h100"]["step_s"] < steps[None]["step_s"] / 2
+
+
+def test_keyword_inputs_and_a_loss_computed_by_the_model(capsys, tmp_path):
+    # A Hugging Face model called as model(input_ids=..., labels=...): the factory returns its
+    # example inputs as a dict; the loss is the model's own (ModelOutput.loss).
+    report = _json_report(capsys, tmp_path, "tests.dump_targets.zoo:causal_lm_with_labels",
+                          "--no-meta", "-n", "4", "--seq", "16")
+    _check_schema(report)
+    ops = {(c["graph"], c["op"]) for c in report["collectives"]}
+    assert {("forward", "all_gather"), ("backward", "reduce_scatter")} <= ops, ops
+    from graphshard.tools import plan as planner
+    argv = ["tests.dump_targets.zoo:causal_lm_with_labels", "--devices", "8", "--cluster", "h100",
+            "--global-batch", "8", "--seq", "16", "--ac", "none", "--dtypes", "bf16", "--quiet",
+            "--json", str(tmp_path / "plan.json")]
+    assert planner.main(argv) == 0
+    assert json.loads((tmp_path / "plan.json").read_text())["configs"][0]["fits"]

@@ -155,3 +155,23 @@ def test_materialized_parameters_keep_registration_order_for_bucketing(fake_pg):
     materialized = bucket_order(model)
     registration = ("late.weight", "late.bias", "early.weight", "early.bias")
     assert built == materialized == [registration]
+
+
+def test_shards_keep_static_shapes_under_dynamic_true(fake_pg):
+    # Dynamo gives nn.Parameters static shapes even under dynamic=True; the local shards the
+    # graphs read get them too. Symbolic shard sizes reached the padding of uneven shards, in
+    # code that never bound them (compiler="eager": "NameError: name 's42' is not defined").
+    import graphshard
+    from tests.capture import GraphCapture
+
+    model = graphshard.shard(Zoo())
+    capture = GraphCapture(UNBUCKETED)
+    step = torch.compile(model, backend=capture.backend, fullgraph=True, dynamic=True)
+    tokens = zoo_batch(64)
+    zoo_loss(step(tokens), tokens).backward()
+    forward = capture.graphs[("forward", "lowered")]
+    shapes = [tuple(n.meta["val"].shape) for n in forward.graph.find_nodes(op="placeholder")
+              if isinstance(n.meta.get("val"), torch.Tensor)]
+    assert any(isinstance(d, torch.SymInt) for shape in shapes for d in shape)  # the batch
+    gathered = [tuple(n.args[0].meta["val"].shape) for n in call_nodes(forward, ALL_GATHER)]
+    assert len(gathered) == 7 and all(isinstance(d, int) for shape in gathered for d in shape), gathered

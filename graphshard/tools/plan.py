@@ -317,7 +317,7 @@ def capture_probes(target: str, layout: Layout, devices: int, seq: int, n_layers
         torch.compiler.reset()
         try:
             with _quiet_selective_checkpoint_notice():
-                torch.compile(workload.model, backend=recorder, fullgraph=True)(*workload.inputs)
+                workload.run(torch.compile(workload.model, backend=recorder, fullgraph=True))
         except Exception as e:
             if not caused_by(e, CaptureComplete):
                 raise

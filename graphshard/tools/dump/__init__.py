@@ -10,7 +10,8 @@
 
 TARGET is a built-in model name (`graphshard.tools.models.BUILTIN_MODELS`: transformer,
 transformer-large, llama, llama3-8b), or `package.module:factory`, or `path/to/file.py:factory`.
-A factory returns `(model, example_inputs)` or `(model, example_inputs, loss_fn)`; `--batch`,
+A factory returns `(model, example_inputs)` or `(model, example_inputs, loss_fn)`, where
+example_inputs is a tuple, one tensor, or a dict of keyword inputs; `--batch`,
 `--seq` and `--model-args` become its keyword arguments (built-ins: batch=1, seq_len=128 unless
 given). `--stage` prints the FX graphs of a stage of `backend.STAGES` (merged: the Dynamo graph;
 tagged: the joint graph; partitioned, lowered, bucketed, scheduled, transport: the forward and

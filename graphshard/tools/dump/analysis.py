@@ -321,7 +321,7 @@ def dump(workload: Workload, *, world_size: int, strategy: str = "full_shard", o
         infos = param_infos(workload.model)
         progress(f"capturing the training step of {workload.description} at world size "
                  f"{world_size} (Dynamo, AOTAutograd, partitioning: most of the dump's time)")
-        cap = capture(workload.model, workload.inputs, options, stages, progress)
+        cap = capture(workload, options, stages, progress)
         captured = time.perf_counter()
         progress("estimating time and memory with the cost model")
         estimates = {kind: graph_estimate(gm, cluster, graph_kind=kind)

@@ -24,9 +24,9 @@ def _readable(gm) -> str:
     return gm.print_readable(print_output=False, include_stride=False, include_device=False)
 
 
-def capture(model, inputs: tuple, options, stages: Sequence[str],
+def capture(workload, options, stages: Sequence[str],
             progress: Callable[[str], None] = lambda message: None) -> Capture:
-    """Compile `model` with the graphshard backend; record the code of `stages` and the final
+    """Compile the workload's model with the graphshard backend; record the code of `stages` and the final
     graphs. The backward is compiled eagerly with the forward (as AOT compile does), and the
     observer stops the compilation once the final backward graph is recorded. `progress` is
     told when each graph has been captured and when its passes are done."""
@@ -37,7 +37,7 @@ def capture(model, inputs: tuple, options, stages: Sequence[str],
 
     result = Capture()
     final = STAGES[-1]
-    needs_backward = _needs_backward(model, inputs)  # here: the backend runs under no_grad
+    needs_backward = _needs_backward(workload.model, workload.inputs)  # here: the backend runs under no_grad
 
     clock = [time.perf_counter()]
 
@@ -63,9 +63,9 @@ def capture(model, inputs: tuple, options, stages: Sequence[str],
     compiler = GraphshardCompiler(dataclasses.replace(options, compiler="eager"), observe)
     torch.compiler.reset()
     try:
-        compiled = torch.compile(model, backend=compiler, fullgraph=True)
+        compiled = torch.compile(workload.model, backend=compiler, fullgraph=True)
         with backward_compiled_with_forward():
-            compiled(*inputs)
+            workload.run(compiled)
     except Exception as e:
         if not caused_by(e, CaptureComplete):
             raise

@@ -40,9 +40,13 @@ def check_output_paths(**paths: str | None) -> None:
 @dataclass
 class Workload:
     model: Any
-    inputs: tuple
+    inputs: tuple | dict  # positional arguments, or keyword arguments (Hugging Face's input_ids=)
     loss_fn: Callable | None
     description: str
+
+    def run(self, model) -> Any:
+        """`model` (the workload's, compiled) called on the example inputs."""
+        return model(**self.inputs) if isinstance(self.inputs, dict) else model(*self.inputs)
 
 
 def import_factory(target: str) -> Callable:
@@ -131,15 +135,16 @@ def load_workload(target: str, *, meta: bool = True, batch: int | None = None,
                         f"{type(model).__name__}, not an nn.Module")
     if isinstance(inputs, torch.Tensor):
         inputs = (inputs,)
-    if not isinstance(inputs, (tuple, list)):
+    if not isinstance(inputs, (tuple, list, dict)):
         raise DumpError(f"factory {target!r} must return {shape}; example_inputs is a "
-                        f"{type(inputs).__name__}, not a tuple of inputs (or one tensor)")
+                        f"{type(inputs).__name__}, not a tuple of inputs, a dict of keyword "
+                        "inputs or one tensor")
     if loss_fn is not None and not callable(loss_fn):
         raise DumpError(f"factory {target!r} must return {shape}; loss_fn is a "
                         f"{type(loss_fn).__name__}, not callable")
     if not any(True for _ in model.parameters()):
         raise DumpError(f"factory {target!r} returned a model without parameters: nothing to shard")
-    return Workload(model, tuple(inputs), loss_fn, target)
+    return Workload(model, inputs if isinstance(inputs, dict) else tuple(inputs), loss_fn, target)
 
 
 def to_fake_tensors(workload: Workload, fake_mode, device: str = "cpu") -> None:
