@@ -982,15 +982,44 @@ def _device_for(model: nn.Module) -> torch.device:
     return real[0] if real else torch.device("cpu")
 
 
+def _transformers_conversion(model: nn.Module) -> tuple[list, list[str]]:
+    """transformers' conversion of `model`'s checkpoint keys, as its from_pretrained applies it
+    and its save_pretrained undoes it: (the renamings: GPT-NeoX's embed_out -> lm_head, old
+    LayerNorm gamma/beta -> weight/bias, ...; the weights it fuses from several checkpoint
+    tensors, such as MoE experts, which load_pretrained does not). Nothing for other models."""
+    if "transformers" not in sys.modules:  # then no model of its (and no import: 60 MiB)
+        return [], []
+    from transformers import PreTrainedModel
+    if not isinstance(model, PreTrainedModel):
+        return [], []
+    try:
+        from transformers.conversion_mapping import (WeightConverter, WeightRenaming,
+                                                     get_model_conversion_mapping)
+    except ImportError:  # a transformers from before its conversion mapping
+        return [], []
+    transforms = get_model_conversion_mapping(model)
+    return ([t for t in transforms if isinstance(t, WeightRenaming)],
+            [target for t in transforms if isinstance(t, WeightConverter)
+             for target in t.target_patterns])
+
+
+def _loaded_name(name: str, renamings: list) -> str:
+    for renaming in renamings:
+        name = renaming.rename_source_key(name)[0]
+    return name
+
+
 def _pretrained_plan(model: nn.Module, tensors: dict[str, st.TensorInfo], path: Path,
                      init_fn: Callable | None) -> list[tuple[_Target, str]]:
     """(target, name to read it from) for every model tensor; names checked first."""
     targets, transient = _targets(model)
     known = {name for target in targets for name in target.names}
     transient_names = {name for _, _, name in transient}
+    renamings, fused = _transformers_conversion(model)
+    file_name = {_loaded_name(name, renamings): name for name in tensors}  # model's -> file's
     plan, missing, mismatched = [], [], []
     for target in targets:
-        source = next((name for name in target.names if name in tensors), None)
+        source = next((file_name[name] for name in target.names if name in file_name), None)
         if source is None:
             missing.append(" = ".join(target.names))  # tied names together
             continue
@@ -1000,10 +1029,14 @@ def _pretrained_plan(model: nn.Module, tensors: dict[str, st.TensorInfo], path: 
         plan.append((target, source))
     # A non-persistent buffer is not part of the state dict; files from older libraries may
     # still hold one (rotary inv_freq): it is neither read nor unexpected.
-    unexpected = [name for name in tensors if name not in known and name not in transient_names]
+    unexpected = [name for model_name, name in file_name.items()
+                  if model_name not in known and model_name not in transient_names]
     uninitialised = [name for module, local, name in transient if module._buffers[local].is_meta]
     _raise_if_unfit(missing, unexpected, mismatched, "file",
-                    f"pretrained weights at {path} do not fit this model")
+                    f"pretrained weights at {path} do not fit this model" + (
+                        f" (transformers fuses this architecture's {', '.join(fused)} when it "
+                        "loads a checkpoint, which load_pretrained does not: load such a model "
+                        "with from_pretrained before graphshard.shard)" if fused and missing else ""))
     if uninitialised and init_fn is None:
         raise CheckpointError(
             f"buffers {uninitialised} are on the meta device and not in {path} (non-persistent: "

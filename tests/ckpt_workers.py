@@ -382,3 +382,24 @@ def llama_round_trip(rank: int, world: int, pretrained: str, tokens: torch.Tenso
     if save_to is not None:
         checkpoint.save(save_to, model, optimizer, step=1)
     return result
+
+
+def load_renamed_pretrained(rank: int, world: int, directories: dict[str, str],
+                            tokens: torch.Tensor) -> dict[str, Any]:
+    """Each architecture built on the meta device, sharded, load_pretrained from what
+    transformers' save_pretrained wrote: its logits, or the error."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    results = {}
+    for name, directory in directories.items():
+        with torch.device("meta"):
+            model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(directory))
+        graphshard.shard(model)
+        try:
+            checkpoint.load_pretrained(model, directory, init_fn=model._init_weights)
+        except checkpoint.CheckpointError as exc:
+            results[name] = str(exc)
+            continue
+        with torch.no_grad():
+            results[name] = model(tokens).logits
+    return results

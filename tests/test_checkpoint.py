@@ -664,3 +664,32 @@ def test_save_refuses_to_replace_other_data(tmp_path):
     with pytest.raises(TypeError, match="step must be an int"):
         checkpoint.save(tmp_path / "c", _plain_zoo(), step=1.5)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["data"]
+
+
+def test_load_pretrained_follows_transformers_renames_and_names_the_fusions_it_cannot(tmp_path):
+    # transformers' save_pretrained writes GPT-NeoX's lm_head as embed_out (its from_pretrained
+    # renames it back) and Mixtral's experts unfused (from_pretrained fuses them).
+    import transformers
+    from safetensors import safe_open
+
+    torch.manual_seed(0)
+    neox = transformers.GPTNeoXForCausalLM(transformers.GPTNeoXConfig(
+        vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
+        num_attention_heads=4, max_position_embeddings=64, tie_word_embeddings=False)).eval()
+    mixtral = transformers.MixtralForCausalLM(transformers.MixtralConfig(
+        vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=1,
+        num_attention_heads=4, num_key_value_heads=2, num_local_experts=4, num_experts_per_tok=2,
+        max_position_embeddings=64))
+    directories = {}
+    for name, model in (("neox", neox), ("mixtral", mixtral)):
+        model.save_pretrained(tmp_path / name)
+        directories[name] = str(tmp_path / name)
+    with safe_open(str(tmp_path / "neox" / "model.safetensors"), "pt") as f:
+        assert "embed_out.weight" in f.keys()  # the old name: what the rename must map
+    tokens = torch.randint(0, 64, (2, 8), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        expected = neox(tokens).logits
+    for result in run_local(workers.load_renamed_pretrained, 2, directories, tokens):
+        torch.testing.assert_close(result["neox"], expected, **TOL)
+        assert "transformers fuses this architecture's .experts.gate_up_proj" in result["mixtral"]
+        assert "with from_pretrained before graphshard.shard" in result["mixtral"]
