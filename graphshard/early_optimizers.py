@@ -24,7 +24,10 @@ _replacements = 0
 def remember_replacement(original: nn.Parameter, sharded: nn.Parameter) -> None:
     """Called by shard() for each parameter it replaces; installs the step hook once."""
     global _hook, _replacements
-    setattr(original, _REPLACED_BY, sharded)
+    try:
+        setattr(original, _REPLACED_BY, sharded)
+    except (AttributeError, TypeError):  # a parameter class without attributes of its own
+        return
     _replacements += 1
     if _hook is None:
         _hook = register_optimizer_step_pre_hook(
