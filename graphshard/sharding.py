@@ -671,6 +671,12 @@ def shard(
         device_type = "cuda" if torch.cuda.is_available() else "cpu"
     if mesh is None:
         mesh = _default_mesh(device_type, strategy)
+    if mesh.get_coordinate() is None:  # torch would fail later, in DeviceMesh.get_group
+        raise ValueError(
+            f"this rank ({dist.get_rank()}) is not in the DeviceMesh over ranks "
+            f"{mesh.mesh.flatten().tolist()}: call graphshard.shard only on the ranks of its mesh "
+            "(every one of them, with the same model), or build the mesh over all the ranks "
+            "that train")
     expected_ndim = 2 if strategy is ShardingStrategy.HYBRID_SHARD else 1
     if mesh.ndim != expected_ndim:
         raise ValueError(

@@ -43,6 +43,14 @@ def test_mesh_of_wrong_dimension_is_refused(fake_pg):
         graphshard.shard(nn.Linear(4, 4), mesh_1d, strategy="hybrid_shard")
 
 
+def test_a_mesh_without_this_rank_is_refused(fake_pg):
+    from torch.distributed.device_mesh import DeviceMesh
+
+    with pytest.raises(ValueError, match=r"this rank \(0\) is not in the DeviceMesh over ranks "
+                                         r"\[1, 2\]: call graphshard.shard only on the ranks"):
+        graphshard.shard(nn.Linear(4, 4), DeviceMesh("cpu", [1, 2]))
+
+
 def test_shard_returns_the_same_module_with_dtensor_parameters(fake_pg):
     model = nn.Sequential(nn.Linear(5, 3), nn.LayerNorm(3))
     model.register_buffer("steps", torch.zeros(2))
