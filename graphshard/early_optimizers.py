@@ -6,7 +6,10 @@ get a gradient again: it would silently train nothing (DDP, which keeps the para
 users build the optimizer first). So shard() remembers, on each original, the parameter that
 replaced it, and before any optimizer's step the replaced parameters in its groups are swapped
 for their shards, once. An optimizer that already holds state for an original (it stepped before
-shard) is refused by name: that state is of the full parameter, not of this rank's shard.
+shard) is refused: that state is of the full parameter, not of this rank's shard. Until its
+first step such an optimizer still holds the originals (their memory too; GradScaler.unscale_
+or clipping over its groups before that step see them): build it after shard() where that
+matters.
 """
 
 from __future__ import annotations
@@ -40,17 +43,17 @@ def use_sharded_parameters(optimizer: torch.optim.Optimizer) -> None:
     checked = (_replacements, sum(len(group["params"]) for group in optimizer.param_groups))
     if getattr(optimizer, _CHECKED, None) == checked:  # no shard() and no group added since
         return
-    for group in optimizer.param_groups:
-        params = group["params"]
-        for index, param in enumerate(params):
-            sharded = getattr(param, _REPLACED_BY, None)
-            if sharded is None:
-                continue
-            if optimizer.state.get(param):
-                raise ValueError(
-                    f"{type(optimizer).__name__} holds state (it has stepped) for a parameter of "
-                    f"shape {tuple(param.shape)} that graphshard.shard has since replaced by its "
-                    "shard: that state is of the full parameter. Create the optimizer after "
-                    "graphshard.shard(model).")
-            params[index] = sharded
+    replaced = [(group["params"], index, getattr(param, _REPLACED_BY))
+                for group in optimizer.param_groups for index, param in enumerate(group["params"])
+                if getattr(param, _REPLACED_BY, None) is not None]
+    stale = [tuple(params[index].shape) for params, index, _ in replaced
+             if optimizer.state.get(params[index])]
+    if stale:  # checked before any swap: the optimizer is left as it was
+        raise ValueError(
+            f"{type(optimizer).__name__} holds state for {len(stale)} parameter(s) (shapes "
+            f"{stale[:3]}) that graphshard.shard has since replaced by their shards: state of "
+            "the full parameters (from a step, load_state_dict, or its constructor, as "
+            "Adagrad's). Create the optimizer after graphshard.shard(model).")
+    for params, index, sharded in replaced:
+        params[index] = sharded
     setattr(optimizer, _CHECKED, checked)

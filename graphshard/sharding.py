@@ -121,20 +121,25 @@ def _apply_sharded(self, fn, recurse: bool = True):
     result = type(self)._graphshard_base_class._apply(self, fn, recurse)
     leaves = getattr(self, LOCALS_ATTR)
     for name in leaves:
-        leaves[name] = _following(leaves[name], self._parameters[name])
+        param = self._parameters.get(name)
+        if isinstance(param, DTensor):  # (a plain one is bound at its next read)
+            leaves[name] = _following(leaves[name], param)
     return result
 
 
 def _local_shard(module: nn.Module, name: str) -> torch.Tensor:
     local = getattr(module, LOCALS_ATTR)[name]
     param = module._parameters[name]
-    if not torch.compiler.is_compiling() and local._graphshard_param is not param:
+    if not torch.compiler.is_compiling():
         # Eagerly, notice a parameter replaced behind our back (a user's
-        # `module._parameters[name] = ...`) and bind the new one.
-        if not isinstance(param, DTensor):
+        # `module._parameters[name] = ...`: bind the new one), or its local shard moved by a
+        # cast of another module that shares it (a tied weight: follow that module's leaf).
+        if local._graphshard_param is not param and not isinstance(param, DTensor):
             param = module._parameters[name] = _shard_of(param, like=local._graphshard_param,
                                                          where=f"{type(module).__name__}.{name}")
-        local = getattr(module, LOCALS_ATTR)[name] = _bind_local_shard(param)
+        followed = _following(local, param)
+        if followed is not local:
+            local = getattr(module, LOCALS_ATTR)[name] = followed
     if local.requires_grad != param.requires_grad:
         # Frozen or unfrozen after shard(). Under torch.compile too: Dynamo guards on the
         # parameter's requires_grad read here, so toggling it recompiles, reading the twin
@@ -325,6 +330,10 @@ def _rnn_flat_weights(module: nn.RNNBase) -> list[torch.Tensor | None]:
             for n in module._flat_weights_names]
 
 
+def _nothing(self) -> None:
+    return None
+
+
 @functools.lru_cache(maxsize=None)
 def _sharded_class(cls: type, param_names: tuple[str, ...]) -> type:
     # Cached so all instances of one module type share one class: torch.compile then reuses
@@ -341,6 +350,9 @@ def _sharded_class(cls: type, param_names: tuple[str, ...]) -> type:
         # RNNs cache their parameter objects in `_flat_weights` at construction; read them
         # through the properties instead, or the cached, unsharded originals would be used.
         properties["_flat_weights"] = property(_rnn_flat_weights, lambda self, value: None)
+        # Nothing to re-cache when weights change (`_apply`, each forward's check): the
+        # property reads the current ones. Their checks would gather every weight again.
+        properties["_init_flat_weights"] = properties["_update_flat_weights"] = _nothing
     return type(f"Sharded{cls.__name__}", (cls,), properties)
 
 

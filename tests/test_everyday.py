@@ -337,6 +337,14 @@ def _setup_order_checks(tokens: torch.Tensor, directory: str) -> dict:
     train(stepped, optimizer, steps=1)
     checks["stepped_first"] = _error(lambda: train(graphshard.shard(stepped), optimizer, steps=1))
 
+    adagrad = _zoo(0)  # its constructor makes state for every parameter
+    optimizer = torch.optim.Adagrad(adagrad.parameters(), lr=0.1)
+    checks["adagrad_first"] = _error(lambda: train(graphshard.shard(adagrad), optimizer, steps=1))
+    partly = graphshard.shard(_zoo(0))
+    partly.head.double()  # head.weight is emb.weight: the embedding reads the cast weight too
+    checks["tied_cast"] = (partly.emb.weight.dtype, getattr(partly.emb, LOCALS_ATTR)["weight"]
+                           is getattr(partly.head, LOCALS_ATTR)["weight"])
+
     cast, reference = graphshard.shard(_zoo(0)).double(), _zoo(0).double()
     compiled = torch.compile(cast, backend="graphshard", options={"compiler": "eager"})
     checks["cast"] = {}
@@ -473,8 +481,12 @@ def test_an_optimizer_built_before_shard_trains_the_shards_and_a_cast_after_shar
         assert early.keys() == usual.keys()
         assert all(torch.equal(early[n], usual[n]) for n in usual), "optimizer order changed training"
         assert not torch.equal(early["block.weight"], _initial_block_weight()), "nothing trained"
-        assert ("ValueError: AdamW holds state (it has stepped) for a parameter of shape"
-                in checks["stepped_first"]), checks["stepped_first"]
+        assert checks["stepped_first"].startswith("ValueError: AdamW holds state for 6 "
+                                                  "parameter(s)"), checks["stepped_first"]
+        assert "Create the optimizer after graphshard.shard(model)" in checks["stepped_first"]
+        assert checks["adagrad_first"].startswith("ValueError: Adagrad holds state for 8 "
+                                                  "parameter(s)"), checks["adagrad_first"]
+        assert checks["tied_cast"] == (torch.float64, True)
         resumed, continued = checks["resumed"], checks["continued"]
         assert all(torch.equal(resumed[n], continued[n]) for n in continued), "resume differs"
         reference_loss, reference_grads = checks["cast"]["reference"]

@@ -3,6 +3,8 @@
 
 from __future__ import annotations
 
+from collections import UserDict
+
 from tests.model_zoo import ZOO, causal_lm_loss, logits_of
 
 
@@ -23,4 +25,4 @@ def causal_lm_with_labels(name: str = "gpt2", batch: int = 2, seq_len: int = 8):
     # Named, or transformers logs that it picked the default, which Dynamo cannot trace in
     # one graph (plain torch.compile(fullgraph=True) fails on it too).
     model.loss_type = "ForCausalLM"
-    return model, {"input_ids": ids, "labels": ids}
+    return model, UserDict(input_ids=ids, labels=ids)  # a Mapping, as a tokenizer's BatchEncoding

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import collections.abc
 import contextlib
 import importlib
 import importlib.util
@@ -135,6 +136,8 @@ def load_workload(target: str, *, meta: bool = True, batch: int | None = None,
                         f"{type(model).__name__}, not an nn.Module")
     if isinstance(inputs, torch.Tensor):
         inputs = (inputs,)
+    if isinstance(inputs, collections.abc.Mapping):  # a tokenizer's BatchEncoding too
+        inputs = dict(inputs)
     if not isinstance(inputs, (tuple, list, dict)):
         raise DumpError(f"factory {target!r} must return {shape}; example_inputs is a "
                         f"{type(inputs).__name__}, not a tuple of inputs, a dict of keyword "
