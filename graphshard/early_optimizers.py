@@ -4,15 +4,19 @@ shard() replaces each parameter by a new one holding this rank's shard (as FSDP2
 does). An optimizer made from `model.parameters()` before that holds the originals, which never
 get a gradient again: it would silently train nothing (DDP, which keeps the parameters, lets
 users build the optimizer first). So shard() remembers, on each original, the parameter that
-replaced it, and before any optimizer's step the replaced parameters in its groups are swapped
-for their shards, once. An optimizer that already holds state for an original (it stepped before
-shard) is refused: that state is of the full parameter, not of this rank's shard. Until its
-first step such an optimizer still holds the originals (their memory too; GradScaler.unscale_
-or clipping over its groups before that step see them): build it after shard() where that
-matters.
+replaced it, and swaps the replaced parameters for their shards in every live optimizer as its
+last act (then the originals' memory is freed, and GradScaler.unscale_ or clipping over the
+optimizer's groups see the shards). Python keeps no registry of optimizers, so shard() finds
+them among the objects the garbage collector tracks (about 0.1 s in a process that has imported
+transformers). Before any optimizer's step the same swap runs again (a group added after
+shard() with the originals in it). An optimizer that already holds state for an original (it
+stepped before shard) is refused at its next step: that state is of the full parameter, not of
+this rank's shard.
 """
 
 from __future__ import annotations
+
+import gc
 
 import torch
 import torch.nn as nn
@@ -37,9 +41,19 @@ def remember_replacement(original: nn.Parameter, sharded: nn.Parameter) -> None:
             lambda optimizer, args, kwargs: use_sharded_parameters(optimizer))
 
 
-def use_sharded_parameters(optimizer: torch.optim.Optimizer) -> None:
-    """Swap the replaced parameters in `optimizer`'s groups for their shards (before a step,
-    and before graphshard.checkpoint saves or loads its state)."""
+def update_live_optimizers() -> None:
+    """shard()'s last act: swap in every live optimizer that holds replaced parameters; one
+    holding state for them is left as it is, for its next step to refuse."""
+    if _replacements == 0:
+        return
+    for obj in gc.get_objects():
+        if issubclass(type(obj), torch.optim.Optimizer):  # type(): no proxy's __class__ runs
+            use_sharded_parameters(obj, refuse_stale=False)
+
+
+def use_sharded_parameters(optimizer: torch.optim.Optimizer, refuse_stale: bool = True) -> None:
+    """Swap the replaced parameters in `optimizer`'s groups for their shards (at the end of
+    shard(), before a step, and before graphshard.checkpoint saves or loads its state)."""
     checked = (_replacements, sum(len(group["params"]) for group in optimizer.param_groups))
     if getattr(optimizer, _CHECKED, None) == checked:  # no shard() and no group added since
         return
@@ -48,6 +62,8 @@ def use_sharded_parameters(optimizer: torch.optim.Optimizer) -> None:
                 if getattr(param, _REPLACED_BY, None) is not None]
     stale = [tuple(params[index].shape) for params, index, _ in replaced
              if optimizer.state.get(params[index])]
+    if stale and not refuse_stale:
+        return
     if stale:  # checked before any swap: the optimizer is left as it was
         raise ValueError(
             f"{type(optimizer).__name__} holds state for {len(stale)} parameter(s) (shapes "

@@ -21,7 +21,7 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.utils._pytree import tree_leaves, tree_map, tree_map_only
 
-from graphshard.early_optimizers import remember_replacement
+from graphshard.early_optimizers import remember_replacement, update_live_optimizers
 from graphshard.grad_sync import GradSync, unshard_for_grad_sync
 from graphshard.state import (GRAD_SYNC_ATTR, LOCALS_ATTR, SPECS_ATTR, STATE_ATTR, ShardState,
                               is_sharded, shard_state)
@@ -723,6 +723,7 @@ def shard(
         from graphshard.initial_sync import sync_initial_state
 
         sync_initial_state(model, mesh, [(param, sharded[id(param)]) for *_, param in slots])
+    update_live_optimizers()  # one built from model.parameters() before shard() now holds shards
     return model
 
 

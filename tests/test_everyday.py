@@ -9,8 +9,10 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import gc
 import io
 import os
+import weakref
 
 import pytest
 import torch
@@ -337,6 +339,25 @@ def _setup_order_checks(tokens: torch.Tensor, directory: str) -> dict:
     train(stepped, optimizer, steps=1)
     checks["stepped_first"] = _error(lambda: train(graphshard.shard(stepped), optimizer, steps=1))
 
+    # shard() swaps the shards into a live optimizer at once: the originals are freed, and
+    # GradScaler.unscale_ over the optimizer's groups before its first step reaches the gradients.
+    scaled = _zoo(0)
+    original = weakref.ref(scaled.block.weight)
+    optimizer = torch.optim.SGD(scaled.parameters(), lr=0.1)
+    graphshard.shard(scaled)
+    gc.collect()
+    checks["original_freed"] = original() is None
+    scaler = torch.amp.GradScaler("cpu", init_scale=1024.0)  # a power of two: unscaling is exact
+    for _ in range(2):
+        scaler.scale(zoo_loss(scaled(tokens), tokens)).backward()
+        scaler.unscale_(optimizer)
+        scaler.step(optimizer)
+        scaler.update()
+        optimizer.zero_grad()
+    checks["scaled"] = train(scaled, optimizer, steps=0)
+    unscaled = graphshard.shard(_zoo(0))
+    checks["unscaled"] = train(unscaled, torch.optim.SGD(unscaled.parameters(), lr=0.1))
+
     adagrad = _zoo(0)  # its constructor makes state for every parameter
     optimizer = torch.optim.Adagrad(adagrad.parameters(), lr=0.1)
     checks["adagrad_first"] = _error(lambda: train(graphshard.shard(adagrad), optimizer, steps=1))
@@ -488,6 +509,9 @@ def test_an_optimizer_built_before_shard_trains_the_shards_and_a_cast_after_shar
         assert "Create the optimizer after graphshard.shard(model)" in checks["stepped_first"]
         assert checks["adagrad_first"].startswith("ValueError: Adagrad holds state for 8 "
                                                   "parameter(s)"), checks["adagrad_first"]
+        assert checks["original_freed"], "an early optimizer still holds a full parameter"
+        scaled, unscaled = checks["scaled"], checks["unscaled"]
+        assert all(torch.equal(scaled[n], unscaled[n]) for n in unscaled), "GradScaler missed"
         assert checks["tied_cast"] == (torch.float64, True)
         resumed, continued = checks["resumed"], checks["continued"]
         assert all(torch.equal(resumed[n], continued[n]) for n in continued), "resume differs"
