@@ -10,7 +10,8 @@ buffer's storage to zero frees its bytes whoever still holds the tensor object; 
 already counts each buffer freed at its last use, so the schedule and the predicted peak do not
 change. FSDP frees its all-gather buffers the same way.
 
-Only buffers the graph allocated and nothing later reads, counting as readers of a buffer those of
+Only buffers the graph allocated and nothing later reads, counting as readers of a buffer the
+consumers of each reader's result (where Inductor's pattern passes may move the read), those of
 a concatenation's parts (Inductor computes them into it) and of any op Inductor may drop as a
 no-op (a clone of a gathered weight is the weight): never a graph input, nor a buffer an output
 shares (saved for backward, a gradient), and a collective's input only after its wait (any op
@@ -78,6 +79,10 @@ def free_collective_buffers(gm: fx.GraphModule, ctx: PassContext | None = None) 
                 if any(set(buffers.owned.get(n, ())) & kept for n in shared):
                     continue  # may be an input or an output once compiled
                 readers = [read_until(n) for h in shared for n in (h, *h.users)]
+                # Inductor's pattern passes may fuse a reader into its consumer, at the
+                # consumer's place (add(mm(x, w), y) -> addmm(y, x, w) where the add was): the
+                # buffer is read there too.
+                readers += [c for r in readers if not is_wait(r) for c in r.users if c.op != "output"]
                 last_use[b] = max(readers, key=order.__getitem__)
     for b, last in last_use.items():
         tensor = next((h for h in holders[b] if _storage_is(h, buffers, b)), None)

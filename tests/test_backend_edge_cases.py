@@ -222,6 +222,35 @@ def test_an_rnn_inside_a_compiled_model_trains_like_the_reference_across_batch_s
             assert torch.allclose(value, expected[name], atol=1e-5), name
 
 
+class _ResidualMLP(nn.Module):
+    """2-D activations with residual connections, one layer applied twice: in backward the
+    gradient reaching each linear's input is summed with another, which Inductor compiles as
+    addmm (its matmul moved to the add)."""
+
+    def __init__(self):
+        super().__init__()
+        self.a, self.b, self.out = nn.Linear(32, 32), nn.Linear(32, 32), nn.Linear(32, 4)
+
+    def forward(self, x):
+        h = torch.tanh(self.a(x)) + x
+        h = torch.tanh(self.b(h)) + h
+        h = torch.tanh(self.b(h)) + h
+        return self.out(h)
+
+
+def _mlp_data(step):
+    return (torch.randn(8, 32, generator=torch.Generator().manual_seed(step)),)
+
+
+def test_a_residual_mlp_on_2d_activations_trains_like_the_reference():
+    run = Training(model=_ResidualMLP, data=_mlp_data, loss=_square_mean, steps=2,
+                   optimizer=functools.partial(torch.optim.SGD, lr=0.1), compile={})  # Inductor
+    expected = reference(run).params
+    for [result] in run_local(train, 2, [run]):
+        for name, value in result.params.items():
+            assert torch.allclose(value, expected[name], atol=1e-5), name
+
+
 def test_inductor_frees_collective_buffers_after_the_wait_and_the_last_reader(gloo1):
     """The graph frees a collective's buffers itself (a backend thread may still hold them after
     the wait): Inductor must keep each free where the pass put it, the send buffer's after the
@@ -256,6 +285,41 @@ def test_inductor_frees_collective_buffers_after_the_wait_and_the_last_reader(gl
     frees = [i for i, line in enumerate(lines) if "resize_storage_bytes_(" in line]
     assert len(frees) == 2 and wait < frees[0] < matmul < frees[1], "\n".join(lines)
     torch.testing.assert_close(compiled([x, w])[0], step(x, w)[0])
+
+
+def test_a_buffer_read_by_a_matmul_that_inductor_fuses_into_an_add_is_freed_after_the_add(gloo1):
+    """Inductor's post-grad patterns rewrite add(mm(a, w), b) as addmm(b, a, w), placed where the
+    add was: a received buffer the matmul reads is read there, so it must be freed after the add.
+    (A user's MLP with residual connections on 2-D activations failed in backward, "The tensor
+    has a non-zero number of elements, but its data is not allocated yet", when the free came
+    right after the matmul.)"""
+    from torch._inductor.utils import run_and_get_code
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    from graphshard._torch_compat import inductor_compile_graph
+    from graphshard.passes.free_collective_buffers import free_collective_buffers
+    from graphshard.passes.graph_utils import ALL_TO_ALL, WAIT
+
+    group = dist.group.WORLD.group_name
+
+    def step(w, x, y, v):
+        send = torch.cat([w, w + 1])  # allocated by the graph, as a transport's send buffer
+        weight = WAIT(ALL_TO_ALL(send, [16], [16], group))
+        return (((x @ weight) + y) @ v,)  # mm + add: one addmm once compiled
+
+    w, x, y, v = torch.randn(8, 32), torch.randn(4, 16), torch.randn(4, 32), torch.randn(32, 8)
+    gm = make_fx(step, tracing_mode="fake")(w, x, y, v)
+    for node in gm.graph.nodes:
+        if node.target is ALL_TO_ALL:
+            node.meta["graphshard_lowered_from"] = "all_gather"
+    gm = free_collective_buffers(gm)
+    compiled, (code,) = run_and_get_code(
+        lambda: inductor_compile_graph(gm, [w, x, y, v], "inference"))
+    lines = [line.strip() for line in code[code.index("def call"):].splitlines()]
+    addmm = next(i for i, line in enumerate(lines) if "extern_kernels.addmm(" in line)  # fused
+    frees = [i for i, line in enumerate(lines) if "resize_storage_bytes_(" in line]
+    assert len(frees) == 2 and frees[-1] > addmm, "\n".join(lines)
+    torch.testing.assert_close(compiled([w, x, y, v])[0], step(w, x, y, v)[0])
 
 
 def test_inductor_frees_each_buffer_at_its_last_use():

@@ -82,6 +82,14 @@ def test_unknown_option_through_torch_compile_fails_clearly(fake_pg):
         compiled(torch.randn(2, 4))
 
 
+@pytest.mark.parametrize("mode", ["max-autotune", "reduce-overhead"])
+def test_a_torch_compile_mode_is_refused_by_name(fake_pg, mode):
+    # torch.compile hands mode= to the backend; it failed with "unexpected keyword argument"
+    model = graphshard.shard(nn.Linear(4, 4))
+    with pytest.raises(Exception, match=f"graphshard takes no torch.compile mode= \\(got '{mode}'\\)"):
+        torch.compile(model, backend="graphshard", mode=mode)(torch.randn(2, 4))
+
+
 def test_cluster_option_must_name_a_calibration_file(tmp_path):
     with pytest.raises(ValueError, match="cluster must be the path of a JSON file"):
         GraphshardOptions.from_dict({"cluster": str(tmp_path / "missing.json")})

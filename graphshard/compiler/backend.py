@@ -466,9 +466,15 @@ class OptionsError(ValueError, compat.short_traceback_error()):
 
 
 def graphshard_backend(gm: fx.GraphModule, example_inputs: Sequence[Any],
-                       options: dict | None = None):
+                       options: dict | None = None, mode: str | None = None):
     """Entry point of `torch.compile(model, backend="graphshard", options={...})`."""
     try:
+        if mode not in (None, "default"):  # torch.compile passes its mode= to any backend
+            raise ValueError(
+                f"graphshard takes no torch.compile mode= (got {mode!r}): drop it. graphshard "
+                "hands its graphs to Inductor under Inductor's global settings, so set those "
+                "instead (e.g. torch._inductor.config.max_autotune = True); CUDA graphs "
+                "(mode='reduce-overhead') are not supported around graphshard's collectives.")
         parsed = GraphshardOptions.from_dict(options)
     except ValueError as exc:
         raise OptionsError(str(exc), inspect.currentframe()) from None
