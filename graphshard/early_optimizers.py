@@ -62,9 +62,9 @@ def use_sharded_parameters(optimizer: torch.optim.Optimizer, refuse_stale: bool 
                 if getattr(param, _REPLACED_BY, None) is not None]
     stale = [tuple(params[index].shape) for params, index, _ in replaced
              if optimizer.state.get(params[index])]
-    if stale and not refuse_stale:
-        return
     if stale:  # checked before any swap: the optimizer is left as it was
+        if not refuse_stale:
+            return
         raise ValueError(
             f"{type(optimizer).__name__} holds state for {len(stale)} parameter(s) (shapes "
             f"{stale[:3]}) that graphshard.shard has since replaced by their shards: state of "

@@ -225,11 +225,11 @@ def test_an_rnn_inside_a_compiled_model_trains_like_the_reference_across_batch_s
 class _ResidualMLP(nn.Module):
     """2-D activations with residual connections, one layer applied twice: in backward the
     gradient reaching each linear's input is summed with another, which Inductor compiles as
-    addmm (its matmul moved to the add)."""
+    addmm (its matmul moved to the add). The head's 5 rows shard unevenly at world size 2."""
 
     def __init__(self):
         super().__init__()
-        self.a, self.b, self.out = nn.Linear(32, 32), nn.Linear(32, 32), nn.Linear(32, 4)
+        self.a, self.b, self.out = nn.Linear(32, 32), nn.Linear(32, 32), nn.Linear(32, 5)
 
     def forward(self, x):
         h = torch.tanh(self.a(x)) + x
@@ -245,6 +245,22 @@ def _mlp_data(step):
 def test_a_residual_mlp_on_2d_activations_trains_like_the_reference():
     run = Training(model=_ResidualMLP, data=_mlp_data, loss=_square_mean, steps=2,
                    optimizer=functools.partial(torch.optim.SGD, lr=0.1), compile={})  # Inductor
+    expected = reference(run).params
+    for [result] in run_local(train, 2, [run]):
+        for name, value in result.params.items():
+            assert torch.allclose(value, expected[name], atol=1e-5), name
+
+
+def _varying_batch_data(step):
+    return (torch.randn((6, 10, 14)[step], 32, generator=torch.Generator().manual_seed(step)),)
+
+
+def test_dynamic_shapes_with_uneven_shards_train_like_the_reference_under_inductor():
+    # dynamic=True: the batch is symbolic, the shards keep static shapes (a symbolic shard size
+    # reached the collectives' padding on the short-shard rank); native transports, the NCCL path
+    run = Training(model=_ResidualMLP, data=_varying_batch_data, loss=_square_mean, steps=3,
+                   optimizer=functools.partial(torch.optim.SGD, lr=0.1), dynamic=True,
+                   compile={"all_gather": "native", "reduce_scatter": "native"})
     expected = reference(run).params
     for [result] in run_local(train, 2, [run]):
         for name, value in result.params.items():

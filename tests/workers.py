@@ -44,6 +44,7 @@ class Training:
     reduce_dtype: torch.dtype | None = None
     compile: dict | None = None  # graphshard backend options (Inductor unless "compiler"); None: eager
     fullgraph: bool = True
+    dynamic: bool | None = None  # torch.compile's dynamic=
     max_norm: float | None = None  # clip_grad_norm_ each step; None: no clipping
     micro_batches: int = 1
     accumulation: str = "no_sync"  # how micro-batches before the last skip the sync: ACCUMULATION
@@ -123,7 +124,8 @@ def train(rank: int, world: int, runs: list[Training]) -> list[TrainResult]:
         graphshard.shard(model, mesh, strategy=run.strategy, **dtypes)
         opt = run.optimizer(model.parameters())
         fn = model if run.compile is None else torch.compile(
-            model, backend="graphshard", options=run.compile, fullgraph=run.fullgraph)
+            model, backend="graphshard", options=run.compile, fullgraph=run.fullgraph,
+            dynamic=run.dynamic)
         result = TrainResult()
         for step in range(run.steps):
             local = _rank_slice(run.data(step), rank, world)

@@ -208,12 +208,12 @@ def train_worker(rank: int, world_size: int, args: argparse.Namespace) -> dict:
         f"{text.val.numel() / 2**20:.2f} MiB in {text.val_files} held out ({args.data})\n"
         f"model: {args.model}, {n_params / 1e6:.2f} M parameters, bytes as tokens; global batch "
         f"{args.batch} x {args.seq} bytes over {world_size} ranks, {args.strategy}", flush=True)
-    if not args.no_compile and args.options.get("compiler", "inductor") == "inductor":
+    compiler = args.options.get("compiler", "inductor")
+    if not args.no_compile and compiler == "inductor":
         say(f"compiling (torch.compile, backend graphshard, then Inductor): the first step "
             f"{COMPILE_NOTE} ...", flush=True)
     elif not args.no_compile:
-        say(f"compiling (torch.compile, backend graphshard, compiler={args.options['compiler']}) "
-            "...", flush=True)
+        say(f"compiling (torch.compile, backend graphshard, compiler={compiler}) ...", flush=True)
     gen = torch.Generator().manual_seed(0)
     tokens_per_step = args.batch * args.seq
     losses, step_times = [], []
