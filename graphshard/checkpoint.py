@@ -1016,7 +1016,16 @@ def _pretrained_plan(model: nn.Module, tensors: dict[str, st.TensorInfo], path: 
     known = {name for target in targets for name in target.names}
     transient_names = {name for _, _, name in transient}
     renamings, fused = _transformers_conversion(model)
-    file_name = {_loaded_name(name, renamings): name for name in tensors}  # model's -> file's
+    file_name: dict[str, str] = {}  # model's name -> file's
+    for name in tensors:
+        loaded = _loaded_name(name, renamings)
+        if loaded in file_name:  # e.g. an old `gamma` beside a new `weight`: which one is meant?
+            first, second = sorted((file_name[loaded], name))
+            raise CheckpointError(
+                f"pretrained weights at {path} hold both {first!r} and {second!r}, "
+                f"which transformers' key conversion for {type(model).__name__} both loads into "
+                f"{loaded!r}: keep one of them in the file")
+        file_name[loaded] = name
     plan, missing, mismatched = [], [], []
     for target in targets:
         source = next((file_name[name] for name in target.names if name in file_name), None)

@@ -538,6 +538,21 @@ def test_load_pretrained_bad_input(hf, tmp_path):
     assert "unexpected (in the file, not in the model): ['extra']" in message
     assert "missing" not in message
 
+    # transformers loads an old `LayerNorm.gamma` as `LayerNorm.weight`: a file holding both
+    # is ambiguous, not a silent pick of one.
+    from transformers import BertConfig, BertModel
+    bert = BertModel(BertConfig(vocab_size=32, hidden_size=8, num_hidden_layers=1,
+                                num_attention_heads=2, intermediate_size=16))
+    state = {name: tensor.contiguous() for name, tensor in bert.state_dict().items()}
+    state["embeddings.LayerNorm.gamma"] = torch.ones(8)
+    save_file(state, str(tmp_path / "bert.safetensors"))
+    with pytest.raises(checkpoint.CheckpointError,
+                       match="'embeddings.LayerNorm.gamma' and 'embeddings.LayerNorm.weight'"):
+        checkpoint.load_pretrained(bert, tmp_path / "bert.safetensors")
+    state.pop("embeddings.LayerNorm.weight")  # the old name alone loads
+    save_file(state, str(tmp_path / "bert.safetensors"))
+    assert "embeddings.LayerNorm.gamma" in checkpoint.load_pretrained(bert, tmp_path / "bert.safetensors")
+
     (tmp_path / "model.bin").write_bytes(b"x" * 16)
     two = tmp_path / "two"
     two.mkdir()
