@@ -5,12 +5,16 @@
 
 Each block's forward runs under torch.utils.checkpoint (non-reentrant, which torch.compile
 traces as one region); the module tree is left as it is, so state-dict keys, sharding and
-checkpoints see the same names as without it (a wrapper module would add a prefix).
+checkpoints see the same names as without it (a wrapper module would add a prefix). Hugging Face
+blocks (transformers' GradientCheckpointingLayer) are switched through their own hook instead,
+which also stops a training forward from writing the KV cache (on by default in causal LMs):
+a write inside the region would happen again when backward recomputes it.
 """
 
 from __future__ import annotations
 
 import functools
+import sys
 
 import torch
 import torch.nn as nn
@@ -21,7 +25,8 @@ MODES = ("none", "full", "selective")
 # rest (norms, activations, residual adds), as torchtitan's op-level selective AC does.
 SAVED_OPS = (torch.ops.aten.mm.default, torch.ops.aten.addmm.default, torch.ops.aten.bmm.default,
              torch.ops.aten._scaled_dot_product_flash_attention.default,
-             torch.ops.aten._scaled_dot_product_efficient_attention.default)
+             torch.ops.aten._scaled_dot_product_efficient_attention.default,
+             torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default)
 
 
 def selective_context():
@@ -44,10 +49,20 @@ def repeated_blocks(model: nn.Module) -> nn.ModuleList:
     return best
 
 
-def _checkpointed(forward, context_fn, *args, **kwargs):
+def _checkpointed(context_fn, forward, *args, **kwargs):
     if context_fn is None:  # full: Dynamo traces checkpoint's default context, not a named one
         return checkpoint(forward, *args, use_reentrant=False, **kwargs)
     return checkpoint(forward, *args, use_reentrant=False, context_fn=context_fn, **kwargs)
+
+
+def _is_transformers_layer(block: nn.Module) -> bool:
+    if "transformers" not in sys.modules:  # then no model of its (and no import)
+        return False
+    try:
+        from transformers.modeling_layers import GradientCheckpointingLayer
+    except ImportError:  # a transformers from before GradientCheckpointingLayer
+        return False
+    return isinstance(block, GradientCheckpointingLayer)
 
 
 def apply_activation_checkpointing(model: nn.Module, mode: str = "full") -> nn.Module:
@@ -59,5 +74,11 @@ def apply_activation_checkpointing(model: nn.Module, mode: str = "full") -> nn.M
         return model
     context_fn = selective_context if mode == "selective" else None
     for block in repeated_blocks(model):
-        block.forward = functools.partial(_checkpointed, block.forward, context_fn)
+        if _is_transformers_layer(block):
+            # What gradient_checkpointing_enable sets per layer: in training, the layer drops
+            # its cache arguments and calls this function on its bound forward.
+            block.gradient_checkpointing = True
+            block._gradient_checkpointing_func = functools.partial(_checkpointed, context_fn)
+        else:
+            block.forward = functools.partial(_checkpointed, context_fn, block.forward)
     return model

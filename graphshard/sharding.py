@@ -289,6 +289,7 @@ class GatheredWeight(torch.Tensor):
         root._param_version = param._version
 
     @classmethod
+    @run_eagerly_when_called_from_eager_code  # an eager LSTM's reads: not a frame to compile
     def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         plain_args, plain_kwargs = tree_map_only(cls, lambda t: t._full, (args, kwargs))

@@ -219,18 +219,19 @@ ZOO: dict[str, ZooModel] = {m.name: m for m in (
 @dataclass(frozen=True)
 class ZooConfig:
     """One training run of a zoo model: fp32, or bf16 compute (param_dtype) with fp32 gradient
-    reduction; optionally with Hugging Face gradient checkpointing (non-reentrant); compiled
+    reduction; optionally with activation checkpointing of the blocks (CHECKPOINTING); compiled
     with the graphshard backend at its default options (Inductor), or eager (no torch.compile)."""
 
     model: str
     bf16: bool = False
-    checkpointing: bool = False
+    checkpointing: str = "none"  # a key of CHECKPOINTING
     compiled: bool = True
 
     @property
     def label(self) -> str:
         return (self.model + ("-bf16" if self.bf16 else "-fp32")
-                + ("-ckpt" if self.checkpointing else "") + ("" if self.compiled else "-eager"))
+                + ("" if self.checkpointing == "none" else f"-ckpt-{self.checkpointing}")
+                + ("" if self.compiled else "-eager"))
 
 
 @dataclass
@@ -251,10 +252,22 @@ class RunResult:
     error: str | None = None  # the traceback, if the run failed
 
 
+CHECKPOINTING = {
+    "none": "no activation checkpointing",
+    "hf": "Hugging Face's gradient_checkpointing_enable (non-reentrant)",
+    "full": "graphshard.apply_activation_checkpointing(model, 'full')",
+    "selective": "graphshard.apply_activation_checkpointing(model, 'selective'): matmul and "
+                 "attention outputs saved",
+}
+
+
 def build(config: ZooConfig) -> nn.Module:
     model = ZOO[config.model].build()
-    if config.checkpointing:
+    if config.checkpointing == "hf":
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    elif config.checkpointing != "none":
+        import graphshard
+        graphshard.apply_activation_checkpointing(model, config.checkpointing)
     return model
 
 

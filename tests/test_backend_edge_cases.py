@@ -183,18 +183,22 @@ def test_rnn_modules_use_the_sharded_parameters(gloo1):
     assert all(p.grad is not None for p in model.parameters())
 
 
-class _GRUHead(nn.Module):
-    """A GRU (which Dynamo does not trace: it runs eagerly inside the compiled model) and a
-    linear head (compiled); 21-row GRU weights shard unevenly at world size 2."""
+class _RNNHead(nn.Module):
+    """A GRU and a 2-layer bidirectional LSTM (which Dynamo does not trace: they run eagerly
+    inside the compiled model; the LSTM's CPU kernel takes its weights through GatheredWeight's
+    dispatch) and a linear head (compiled); the GRU's 21-row weights shard unevenly at world
+    size 2."""
 
     def __init__(self):
         super().__init__()
-        self.rnn = nn.GRU(5, 7, batch_first=True)
-        self.head = nn.Linear(7, 3)
+        self.gru = nn.GRU(5, 7, batch_first=True)
+        self.lstm = nn.LSTM(7, 6, num_layers=2, bidirectional=True, batch_first=True)
+        self.head = nn.Linear(12, 3)
 
     def forward(self, x):
-        out, _ = self.rnn(x)
-        return self.head(out[:, -1])
+        out, _ = self.gru(x)
+        out, (h, _) = self.lstm(out)
+        return self.head(out[:, -1]) + h.sum(0).sum(-1, keepdim=True)
 
 
 RNN_BATCHES = (6, 6, 10)  # global batch per step: the size changes, so the frame recompiles
@@ -210,9 +214,11 @@ def _square_mean(out, x):
 
 
 def test_an_rnn_inside_a_compiled_model_trains_like_the_reference_across_batch_sizes():
-    # Dynamo runs the GRU eagerly; its parameter reads must run the eager markers (not be
-    # compiled as frames of their own, which recompiled with dynamic shard sizes and failed).
-    run = Training(model=_GRUHead, data=_rnn_data, loss=_square_mean, steps=len(RNN_BATCHES),
+    # Dynamo runs the RNNs eagerly; their parameter reads, and the LSTM kernel's dispatch on
+    # the gathered weights, must run eagerly (not be compiled as frames of their own: the
+    # reads recompiled with dynamic shard sizes and failed, the dispatch sent the CPU LSTM op
+    # to Inductor, which failed on it).
+    run = Training(model=_RNNHead, data=_rnn_data, loss=_square_mean, steps=len(RNN_BATCHES),
                    optimizer=functools.partial(torch.optim.SGD, lr=0.1), compile={},
                    fullgraph=False)  # default options: Inductor compiles the linear head
     expected = reference(run).params

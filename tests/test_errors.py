@@ -90,6 +90,28 @@ def test_a_torch_compile_mode_is_refused_by_name(fake_pg, mode):
         torch.compile(model, backend="graphshard", mode=mode)(torch.randn(2, 4))
 
 
+class _RenormalisedEmbedding(nn.Module):
+    def __init__(self, max_norm: float | None):
+        super().__init__()
+        self.emb, self.head = nn.Embedding(20, 7, max_norm=max_norm), nn.Linear(7, 3)
+
+    def forward(self, x):
+        return self.head(self.emb(x).mean(1))
+
+
+def test_an_in_place_edit_of_a_gathered_weight_in_a_compiled_forward_is_refused(fake_pg):
+    # nn.Embedding(max_norm=) renormalises the rows it reads in place: under compile that edits
+    # the gathered copy, never the shard (the shard silently kept its old rows).
+    x = torch.randint(0, 20, (4, 6))
+    model = graphshard.shard(_RenormalisedEmbedding(max_norm=1.0))
+    with pytest.raises(Exception, match=r"forward edits parameter\(s\) emb.weight in place"):
+        torch.compile(model, backend="graphshard", options={"compiler": "eager"})(x)
+    torch._dynamo.reset()
+    plain = graphshard.shard(_RenormalisedEmbedding(max_norm=None))  # reads only: compiles
+    torch.compile(plain, backend="graphshard", options={"compiler": "eager"})(x).sum().backward()
+    torch._dynamo.reset()
+
+
 def test_cluster_option_must_name_a_calibration_file(tmp_path):
     with pytest.raises(ValueError, match="cluster must be the path of a JSON file"):
         GraphshardOptions.from_dict({"cluster": str(tmp_path / "missing.json")})

@@ -3,9 +3,11 @@ world size 2 under torch.compile(backend="graphshard") with its default options 
 against a single process on the whole global batch.
 
 One spawned process group runs every configuration (Inductor cold compiles cost 10-30 s each
-here, so the matrix is kept small): every model in fp32; bf16 for a subset; Hugging Face gradient
-checkpointing (non-reentrant, sdpa attention) on GPT-2 and Llama. GRAPHSHARD_ZOO_FULL=1 runs
-bf16 for every model and the checkpointed GPT-2 and Llama as runs of their own.
+here, so the matrix is kept small): every model in fp32; bf16 for a subset; activation
+checkpointing (sdpa attention) by Hugging Face's gradient_checkpointing_enable on GPT-2 and Llama,
+and by graphshard.apply_activation_checkpointing on Llama ("selective", fp32) and Mixtral ("full",
+bf16), with their KV caches on as built. GRAPHSHARD_ZOO_FULL=1 runs bf16 for every model and the
+checkpointed GPT-2 and Llama as runs of their own.
 
 BatchNorm normalises with each rank's own batch statistics, as DDP without SyncBatchNorm (and
 FSDP) do: the reference runs one forward per rank slice, each with that rank's running buffers,
@@ -56,15 +58,20 @@ BF16_FACTOR = 3.0
 BF16_LOSS_RTOL = 2.0 ** -7
 
 if FULL:
-    fp32 = [ZooConfig(m) for m in ZOO] + [ZooConfig("gpt2", checkpointing=True),
-                                          ZooConfig("llama-untied", checkpointing=True)]
+    fp32 = [ZooConfig(m) for m in ZOO] + [ZooConfig("gpt2", checkpointing="hf"),
+                                          ZooConfig("llama-untied", checkpointing="hf"),
+                                          ZooConfig("llama-tied", checkpointing="selective")]
     bf16 = [ZooConfig(m, bf16=True) for m in ZOO]
 else:
-    # Checkpointing rides on runs that are there anyway: the untied Llama in fp32 (the tied one
-    # runs plain) and GPT-2 in bf16. bf16 for tied embeddings (GPT-2), the MoE (bf16 takes
-    # transformers' grouped_mm path under compile) and BatchNorm (parameters kept in fp32).
-    fp32 = [ZooConfig(m, checkpointing=m == "llama-untied") for m in ZOO]
-    bf16 = [ZooConfig("gpt2", bf16=True, checkpointing=True), ZooConfig("mixtral", bf16=True),
+    # Checkpointing rides on runs that are there anyway where it can: Hugging Face's on the
+    # untied Llama in fp32 (the tied one runs plain, and once more with graphshard's selective
+    # policy) and GPT-2 in bf16, graphshard's "full" on the MoE in bf16. bf16 for tied
+    # embeddings (GPT-2), the MoE (bf16 takes transformers' grouped_mm path under compile) and
+    # BatchNorm (parameters kept in fp32).
+    fp32 = [ZooConfig(m, checkpointing="hf" if m == "llama-untied" else "none") for m in ZOO]
+    fp32.append(ZooConfig("llama-tied", checkpointing="selective"))
+    bf16 = [ZooConfig("gpt2", bf16=True, checkpointing="hf"),
+            ZooConfig("mixtral", bf16=True, checkpointing="full"),
             ZooConfig("cnn-batchnorm", bf16=True)]
 eager = [ZooConfig("cnn-batchnorm", bf16=True, compiled=False)]  # the reference path, cheap
 RUNS = fp32 + bf16 + eager
@@ -110,8 +117,9 @@ def _check_ran_sharded(config: ZooConfig, results: list[RunResult]) -> None:
             assert (result.model_graphs, result.graph_breaks) == (1, 0)
             assert result.collectives.get("forward", 0) > 0, result.collectives
             assert result.collectives.get("backward", 0) > 0, result.collectives
-            # Checkpointing recomputes attention in backward; without it nothing does.
-            assert (result.recomputed_attention > 0) == config.checkpointing, \
+            # Checkpointing recomputes attention in backward; selective keeps its output, and
+            # without checkpointing nothing is recomputed.
+            assert (result.recomputed_attention > 0) == (config.checkpointing in ("hf", "full")), \
                 result.recomputed_attention
     assert results[0].losses == results[1].losses
     assert results[0].collectives == results[1].collectives

@@ -223,6 +223,25 @@ def _check_parameters_read_as_attributes(gm: fx.GraphModule, example_inputs: Seq
             "the DTensor parameters.")
 
 
+def _check_gathered_weights_not_edited(gm: fx.GraphModule) -> None:
+    # Under compile a parameter read is the gathered weight, a copy (eagerly a GatheredWeight
+    # writes edits back to the shard): an in-place edit of it inside the graph would change
+    # the copy only, and the shard would silently keep its old values. Dynamo ran the forward
+    # on fake tensors, so the copy's version counter shows such an edit, even one hidden inside
+    # a function (nn.Embedding's max_norm renormalises the rows it reads in place).
+    edited = [UnshardSpec.from_node(node).name for node in gm.graph.nodes
+              if is_unshard(node) and getattr(node.meta.get("example_value"), "_version", 0)]
+    if edited:
+        raise ValueError(
+            f"forward edits parameter(s) {', '.join(edited)} in place (nn.Embedding(max_norm=...) "
+            "renormalises its weight in place when it reads it; so does any in-place op on "
+            "module.weight): under torch.compile graphshard reads a gathered copy of the "
+            "weight, and the edit would not reach this rank's shard. Make the edit outside the "
+            "compiled forward, on the DTensor parameter (module._parameters[name], under "
+            "torch.no_grad()), or run that module eagerly (module.forward = "
+            "torch.compiler.disable(module.forward)), where graphshard writes such edits back.")
+
+
 def _parameter_name(placeholder: fx.Node) -> str:
     """`layers.0.weight` for a graph input Dynamo read as L['self']._modules['layers']..."""
     source = compat.graph_input_source(placeholder) or placeholder.name
@@ -428,6 +447,7 @@ class GraphshardCompiler:
             return compat.inductor_compile(gm, example_inputs)
         _check_all_parameters_sharded(example_inputs)
         _check_parameters_read_as_attributes(gm, example_inputs)
+        _check_gathered_weights_not_edited(gm)
         gm = run_pipeline(gm, self._context("dynamo"), self.observer)
         param_order = _param_order(gm)
         via_all_to_all = self.options.via_all_to_all(on_gloo=_uses_gloo(gm))
