@@ -7,8 +7,10 @@ Each block's forward runs under torch.utils.checkpoint (non-reentrant, which tor
 traces as one region); the module tree is left as it is, so state-dict keys, sharding and
 checkpoints see the same names as without it (a wrapper module would add a prefix). Hugging Face
 blocks (transformers' GradientCheckpointingLayer) are switched through their own hook instead,
-which also stops a training forward from writing the KV cache (on by default in causal LMs):
-a write inside the region would happen again when backward recomputes it.
+and the model's `config.use_cache` (on by default in causal LMs) is turned off, as fine-tuning
+scripts do: a KV-cache write inside a checkpointed block would happen again when backward
+recomputes it, and the layer's notice that it drops the cache is a logging call that
+torch.compile(fullgraph=True) refuses. generate() still caches (it asks for the cache itself).
 """
 
 from __future__ import annotations
@@ -73,7 +75,8 @@ def apply_activation_checkpointing(model: nn.Module, mode: str = "full") -> nn.M
     if mode == "none":
         return model
     context_fn = selective_context if mode == "selective" else None
-    for block in repeated_blocks(model):
+    blocks = repeated_blocks(model)
+    for block in blocks:
         if _is_transformers_layer(block):
             # What gradient_checkpointing_enable sets per layer: in training, the layer drops
             # its cache arguments and calls this function on its bound forward.
@@ -81,4 +84,7 @@ def apply_activation_checkpointing(model: nn.Module, mode: str = "full") -> nn.M
             block._gradient_checkpointing_func = functools.partial(_checkpointed, context_fn)
         else:
             block.forward = functools.partial(_checkpointed, context_fn, block.forward)
+    config = getattr(model, "config", None)
+    if _is_transformers_layer(blocks[0]) and getattr(config, "use_cache", False):
+        config.use_cache = False
     return model

@@ -267,7 +267,10 @@ def build(config: ZooConfig) -> nn.Module:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     elif config.checkpointing != "none":
         import graphshard
+        if hasattr(model, "config"):  # transformers' default for causal LMs, off in _hf_common
+            model.config.use_cache = True
         graphshard.apply_activation_checkpointing(model, config.checkpointing)
+        assert not getattr(getattr(model, "config", None), "use_cache", False)
     return model
 
 

@@ -6,8 +6,8 @@ One spawned process group runs every configuration (Inductor cold compiles cost 
 here, so the matrix is kept small): every model in fp32; bf16 for a subset; activation
 checkpointing (sdpa attention) by Hugging Face's gradient_checkpointing_enable on GPT-2 and Llama,
 and by graphshard.apply_activation_checkpointing on Llama ("selective", fp32) and Mixtral ("full",
-bf16), with their KV caches on as built. GRAPHSHARD_ZOO_FULL=1 runs bf16 for every model and the
-checkpointed GPT-2 and Llama as runs of their own.
+bf16), use_cache turned on before (transformers' default for causal LMs). GRAPHSHARD_ZOO_FULL=1
+runs bf16 for every model and the checkpointed GPT-2 and Llama as runs of their own.
 
 BatchNorm normalises with each rank's own batch statistics, as DDP without SyncBatchNorm (and
 FSDP) do: the reference runs one forward per rank slice, each with that rank's running buffers,
