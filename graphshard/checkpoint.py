@@ -1028,10 +1028,15 @@ def _pretrained_plan(model: nn.Module, tensors: dict[str, st.TensorInfo], path: 
         file_name[loaded] = name
     plan, missing, mismatched = [], [], []
     for target in targets:
-        source = next((file_name[name] for name in target.names if name in file_name), None)
-        if source is None:
+        sources = [file_name[name] for name in target.names if name in file_name]
+        if not sources:
             missing.append(" = ".join(target.names))  # tied names together
             continue
+        source = sources[0]
+        if len(sources) > 1:  # saved from an untied model: this one holds a single tensor
+            warnings.warn(f"load_pretrained: {path} holds {sources} separately, which this "
+                          f"model ties into one tensor: loaded {source!r}, ignored the rest",
+                          stacklevel=3)
         saved = tensors[source].shape
         if tuple(saved) != tuple(target.tensor.shape):
             mismatched.append(f"{source}: file {saved} vs model {tuple(target.tensor.shape)}")
@@ -1114,7 +1119,8 @@ def load_pretrained(model: nn.Module, path: str | os.PathLike, *,
     already materialised ones are overwritten in place. Call on every rank, before creating
     the optimizer. Names are checked first: every missing, unexpected and mis-shaped name is
     reported, on every rank, before anything is read. Tied parameters need only one of their
-    names in the file (save_pretrained stores a tied embedding once). Values are cast to each
+    names in the file (save_pretrained stores a tied embedding once; a file holding several,
+    from the untied model, loads the first and warns). Values are cast to each
     parameter's dtype. Non-persistent buffers are not in such files: those still on the meta
     device are allocated and `init_fn(module)` is called on each module owning one (for a
     Hugging Face model, `model._init_weights` recomputes rotary frequencies). Peak host memory

@@ -520,6 +520,11 @@ def test_load_pretrained_bad_input(hf, tmp_path):
         model = _llama(tied=False)
     with pytest.raises(checkpoint.CheckpointError, match="init_fn=model._init_weights"):
         checkpoint.load_pretrained(model, path)  # rotary frequencies: computed, not saved
+    with torch.device("meta"):
+        tied = _llama(tied=True)
+    with pytest.warns(UserWarning, match=r"\['model.embed_tokens.weight', 'lm_head.weight'\] "
+                                         r"separately.*ties into one tensor"):
+        checkpoint.load_pretrained(tied, path, init_fn=tied._init_weights)  # saved untied
     with pytest.raises(checkpoint.CheckpointError) as info:
         checkpoint.load_pretrained(_plain_zoo(), hf["tied"]["path"])
     message = str(info.value)
