@@ -5,11 +5,12 @@
 
 Each block's forward runs under torch.utils.checkpoint (non-reentrant, which torch.compile
 traces as one region); the module tree is left as it is, so state-dict keys, sharding and
-checkpoints see the same names as without it (a wrapper module would add a prefix). Hugging Face
-blocks (transformers' GradientCheckpointingLayer) are switched through their own hook instead,
-and the model's `config.use_cache` (on by default in causal LMs) is turned off, as fine-tuning
-scripts do: a KV-cache write inside a checkpointed block would happen again when backward
-recomputes it, and the layer's notice that it drops the cache is a logging call that
+checkpoints see the same names as without it (a wrapper module would add a prefix). In a
+Hugging Face model every transformers layer (GradientCheckpointingLayer: both stacks of an
+encoder-decoder) is switched through its own hook instead, as gradient_checkpointing_enable
+does, and every `config.use_cache` in the model (on by default in causal LMs) is turned off, as
+fine-tuning scripts do: a KV-cache write inside a checkpointed block would happen again when
+backward recomputes it, and the layer's notice that it drops the cache is a logging call that
 torch.compile(fullgraph=True) refuses. generate() still caches (it asks for the cache itself).
 """
 
@@ -28,6 +29,7 @@ MODES = ("none", "full", "selective")
 SAVED_OPS = (torch.ops.aten.mm.default, torch.ops.aten.addmm.default, torch.ops.aten.bmm.default,
              torch.ops.aten._scaled_dot_product_flash_attention.default,
              torch.ops.aten._scaled_dot_product_efficient_attention.default,
+             torch.ops.aten._scaled_dot_product_cudnn_attention.default,
              torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default)
 
 
@@ -69,22 +71,28 @@ def _is_transformers_layer(block: nn.Module) -> bool:
 
 def apply_activation_checkpointing(model: nn.Module, mode: str = "full") -> nn.Module:
     """Checkpoint every repeated block ("full"), or keep only its matmul and attention outputs
-    ("selective"); "none" leaves the model as it is. Returns the same model."""
+    ("selective"); "none" leaves the model as it is. Applying it again replaces the mode (it
+    does not nest). Returns the same model."""
     if mode not in MODES:
         raise ValueError(f"activation checkpointing mode must be one of {MODES}, got {mode!r}")
     if mode == "none":
         return model
     context_fn = selective_context if mode == "selective" else None
-    blocks = repeated_blocks(model)
-    for block in blocks:
-        if _is_transformers_layer(block):
+    transformers_layers = [m for m in model.modules() if _is_transformers_layer(m)]
+    if transformers_layers:
+        for layer in transformers_layers:
             # What gradient_checkpointing_enable sets per layer: in training, the layer drops
             # its cache arguments and calls this function on its bound forward.
-            block.gradient_checkpointing = True
-            block._gradient_checkpointing_func = functools.partial(_checkpointed, context_fn)
-        else:
-            block.forward = functools.partial(_checkpointed, context_fn, block.forward)
-    config = getattr(model, "config", None)
-    if _is_transformers_layer(blocks[0]) and getattr(config, "use_cache", False):
-        config.use_cache = False
+            layer.gradient_checkpointing = True
+            layer._gradient_checkpointing_func = functools.partial(_checkpointed, context_fn)
+        for module in model.modules():  # a composite model's parts have configs of their own
+            config = getattr(module, "config", None)
+            if getattr(config, "use_cache", False):
+                config.use_cache = False
+        return model
+    for block in repeated_blocks(model):
+        forward = block.forward
+        if isinstance(forward, functools.partial) and forward.func is _checkpointed:
+            forward = forward.args[1]  # applied before: checkpoint the block's own forward
+        block.forward = functools.partial(_checkpointed, context_fn, forward)
     return model

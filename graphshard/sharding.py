@@ -180,6 +180,17 @@ class _GatheredWeightGrad(torch.autograd.Function):
         return grad, None, None, None
 
 
+def _eager_when_not_inlined(fn: Callable) -> Callable:
+    """Inside a compiled frame Dynamo inlines our parameter accessors: the markers land in the
+    caller's graph. Reached from eager code instead (a module Dynamo does not trace, such as an
+    RNN, or code after a user's graph break), an accessor would be compiled as a frame of its
+    own, recompiled per parameter shape and then traced with dynamic shard sizes (and
+    GatheredWeight's dispatch, reached from an eager LSTM's kernel, would send that kernel to
+    Inductor). Skip it, and what it calls, as a top-level frame: it runs the eager markers, the
+    reference path."""
+    return run_eagerly_when_called_from_eager_code(fn)
+
+
 class GatheredWeight(torch.Tensor):
     """What reading `module.weight` returns in eager code: the gathered full weight, whose
     in-place edits (on it or on a view of it: `nn.init.normal_(m.weight)`,
@@ -289,7 +300,7 @@ class GatheredWeight(torch.Tensor):
         root._param_version = param._version
 
     @classmethod
-    @run_eagerly_when_called_from_eager_code  # an eager LSTM's reads: not a frame to compile
+    @_eager_when_not_inlined
     def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         plain_args, plain_kwargs = tree_map_only(cls, lambda t: t._full, (args, kwargs))
@@ -314,15 +325,6 @@ def _still_on_meta(module: nn.Module) -> str:
             "model was sharded on the meta device and never materialised. Call "
             "graphshard.materialize(model) after graphshard.shard(model) and before the first "
             "forward (or load full weights with model.load_state_dict(state_dict, assign=True))")
-
-
-def _eager_when_not_inlined(fn: Callable) -> Callable:
-    """Inside a compiled frame Dynamo inlines our parameter accessors: the markers land in the
-    caller's graph. Reached from eager code instead (a module Dynamo does not trace, such as an
-    RNN, or code after a user's graph break), an accessor would be compiled as a frame of its
-    own, recompiled per parameter shape and then traced with dynamic shard sizes. Skip it, and
-    what it calls, as a top-level frame: it runs the eager markers, the reference path."""
-    return run_eagerly_when_called_from_eager_code(fn)
 
 
 @_eager_when_not_inlined

@@ -99,3 +99,49 @@ def test_checkpointed_training_matches_unsharded():
             assert max(abs(a - b) for a, b in zip(result.losses, ref.losses)) < 1e-5, (mode, compile)
             for name, p in ref.params.items():
                 assert (result.params[name] - p).abs().max().item() < 1e-5, (mode, compile, name)
+
+
+def test_applying_again_replaces_the_mode_instead_of_nesting():
+    model = CheckpointedNet("none")  # plain blocks: their forward gets wrapped
+    originals = [block.forward for block in model.blocks]
+    graphshard.apply_activation_checkpointing(model, "full")
+    graphshard.apply_activation_checkpointing(model, "selective")
+    for block, original in zip(model.blocks, originals):
+        assert block.forward.args == (graphshard.activation_checkpointing.selective_context,
+                                      original)
+
+
+def _loss_and_saved_tensors(model, x):
+    saved = []
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
+        loss = model(input_ids=x, labels=x).loss
+    return loss, len(saved)
+
+
+def test_every_transformers_layer_is_switched_and_every_cache_turned_off():
+    # An encoder-decoder has two stacks of blocks (the largest-list rule would pick one), and
+    # transformers' causal LMs cache by default: a cache write inside a checkpointed block
+    # would happen again in the recompute.
+    from transformers import T5Config, T5ForConditionalGeneration
+
+    config = T5Config(vocab_size=32, d_model=8, d_kv=4, d_ff=16, num_layers=2,
+                      num_decoder_layers=3, num_heads=2, dropout_rate=0.0,
+                      decoder_start_token_id=0, pad_token_id=0)
+    torch.manual_seed(0)
+    model, reference = T5ForConditionalGeneration(config), T5ForConditionalGeneration(config)
+    reference.load_state_dict(model.state_dict())
+    assert model.config.use_cache
+    graphshard.apply_activation_checkpointing(model, "full")
+    layers = [m for m in model.modules() if hasattr(m, "_gradient_checkpointing_func")]
+    assert len(layers) == 5 and all(layer.gradient_checkpointing for layer in layers)
+    assert not model.config.use_cache
+    x = torch.randint(0, 32, (2, 5))
+    model.train(), reference.train()
+    loss, saved = _loss_and_saved_tensors(model, x)
+    expected, saved_without = _loss_and_saved_tensors(reference, x)
+    assert saved < saved_without / 2  # the blocks' activations are recomputed, not saved
+    loss.backward()
+    expected.backward()
+    torch.testing.assert_close(loss, expected)
+    for (name, p), q in zip(model.named_parameters(), reference.parameters()):
+        torch.testing.assert_close(p.grad, q.grad, msg=name)

@@ -525,6 +525,9 @@ def test_load_pretrained_bad_input(hf, tmp_path):
     with pytest.warns(UserWarning, match=r"\['model.embed_tokens.weight', 'lm_head.weight'\] "
                                          r"separately.*ties into one tensor"):
         checkpoint.load_pretrained(tied, path, init_fn=tied._init_weights)  # saved untied
+    saved = _llama(tied=False)  # what the fixture saved
+    assert torch.equal(tied.lm_head.weight, saved.model.embed_tokens.weight)  # the first name's
+    assert not torch.equal(tied.lm_head.weight, saved.lm_head.weight)
     with pytest.raises(checkpoint.CheckpointError) as info:
         checkpoint.load_pretrained(_plain_zoo(), hf["tied"]["path"])
     message = str(info.value)
@@ -556,7 +559,8 @@ def test_load_pretrained_bad_input(hf, tmp_path):
         checkpoint.load_pretrained(bert, tmp_path / "bert.safetensors")
     state.pop("embeddings.LayerNorm.weight")  # the old name alone loads
     save_file(state, str(tmp_path / "bert.safetensors"))
-    assert "embeddings.LayerNorm.gamma" in checkpoint.load_pretrained(bert, tmp_path / "bert.safetensors")
+    loaded = checkpoint.load_pretrained(bert, tmp_path / "bert.safetensors")
+    assert "embeddings.LayerNorm.gamma" in loaded
 
     (tmp_path / "model.bin").write_bytes(b"x" * 16)
     two = tmp_path / "two"

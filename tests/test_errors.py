@@ -6,6 +6,7 @@ import pytest
 import torch
 import torch.nn as nn
 from torch.distributed.device_mesh import init_device_mesh
+from torch.utils.checkpoint import checkpoint
 
 import graphshard
 from graphshard.compiler.options import GraphshardOptions, parse_option_strings
@@ -91,24 +92,35 @@ def test_a_torch_compile_mode_is_refused_by_name(fake_pg, mode):
 
 
 class _RenormalisedEmbedding(nn.Module):
-    def __init__(self, max_norm: float | None):
+    def __init__(self, max_norm: float | None, checkpointed: bool = False):
         super().__init__()
         self.emb, self.head = nn.Embedding(20, 7, max_norm=max_norm), nn.Linear(7, 3)
+        self.checkpointed = checkpointed
 
     def forward(self, x):
-        return self.head(self.emb(x).mean(1))
+        if self.checkpointed:  # the read inside an activation-checkpoint region's subgraph
+            h = checkpoint(self.emb, x, use_reentrant=False)
+        else:
+            h = self.emb(x)
+        return self.head(h.mean(1))
 
 
-def test_an_in_place_edit_of_a_gathered_weight_in_a_compiled_forward_is_refused(fake_pg):
+@pytest.mark.parametrize("checkpointed", [False, True], ids=["plain", "checkpointed"])
+def test_an_in_place_edit_of_a_gathered_weight_in_a_compiled_forward_is_refused(fake_pg,
+                                                                               checkpointed):
     # nn.Embedding(max_norm=) renormalises the rows it reads in place: under compile that edits
     # the gathered copy, never the shard (the shard silently kept its old rows).
     x = torch.randint(0, 20, (4, 6))
-    model = graphshard.shard(_RenormalisedEmbedding(max_norm=1.0))
+    eager = {"compiler": "eager"}
+    model = graphshard.shard(_RenormalisedEmbedding(max_norm=1.0, checkpointed=checkpointed))
     with pytest.raises(Exception, match=r"forward edits parameter\(s\) emb.weight in place"):
-        torch.compile(model, backend="graphshard", options={"compiler": "eager"})(x)
+        torch.compile(model, backend="graphshard", options=eager)(x)
     torch._dynamo.reset()
-    plain = graphshard.shard(_RenormalisedEmbedding(max_norm=None))  # reads only: compiles
-    torch.compile(plain, backend="graphshard", options={"compiler": "eager"})(x).sum().backward()
+    plain = graphshard.shard(_RenormalisedEmbedding(max_norm=None, checkpointed=checkpointed))
+    compiled = torch.compile(plain, backend="graphshard", options=eager)
+    compiled(x).sum().backward()  # reads only: compiles
+    with torch.inference_mode():  # inference tensors have no version counter to read
+        compiled(x)
     torch._dynamo.reset()
 
 

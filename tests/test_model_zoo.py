@@ -61,7 +61,8 @@ if FULL:
     fp32 = [ZooConfig(m) for m in ZOO] + [ZooConfig("gpt2", checkpointing="hf"),
                                           ZooConfig("llama-untied", checkpointing="hf"),
                                           ZooConfig("llama-tied", checkpointing="selective")]
-    bf16 = [ZooConfig(m, bf16=True) for m in ZOO]
+    bf16 = [ZooConfig(m, bf16=True) for m in ZOO] + [ZooConfig("mixtral", bf16=True,
+                                                               checkpointing="full")]
 else:
     # Checkpointing rides on runs that are there anyway where it can: Hugging Face's on the
     # untied Llama in fp32 (the tied one runs plain, and once more with graphshard's selective

@@ -229,8 +229,13 @@ def _check_gathered_weights_not_edited(gm: fx.GraphModule) -> None:
     # the copy only, and the shard would silently keep its old values. Dynamo ran the forward
     # on fake tensors, so the copy's version counter shows such an edit, even one hidden inside
     # a function (nn.Embedding's max_norm renormalises the rows it reads in place).
-    edited = [UnshardSpec.from_node(node).name for node in gm.graph.nodes
-              if is_unshard(node) and getattr(node.meta.get("example_value"), "_version", 0)]
+    def edited_in_place(node: fx.Node) -> bool:
+        value = node.meta.get("example_value")
+        # (an inference tensor has no version counter: nothing to see, and nothing to train)
+        return isinstance(value, torch.Tensor) and not value.is_inference() and value._version > 0
+
+    edited = dict.fromkeys(UnshardSpec.from_node(node).name for node in _all_nodes(gm)
+                           if is_unshard(node) and edited_in_place(node))
     if edited:
         raise ValueError(
             f"forward edits parameter(s) {', '.join(edited)} in place (nn.Embedding(max_norm=...) "
