@@ -59,14 +59,16 @@ def _checkpointed(context_fn, forward, *args, **kwargs):
     return checkpoint(forward, *args, use_reentrant=False, context_fn=context_fn, **kwargs)
 
 
-def _is_transformers_layer(block: nn.Module) -> bool:
-    if "transformers" not in sys.modules:  # then no model of its (and no import)
-        return False
+def _transformers_layer_class() -> type | None:
+    """transformers' GradientCheckpointingLayer, if transformers is in use (else no model of
+    its, and no import) and has it."""
+    if "transformers" not in sys.modules:
+        return None
     try:
         from transformers.modeling_layers import GradientCheckpointingLayer
     except ImportError:  # a transformers from before GradientCheckpointingLayer
-        return False
-    return isinstance(block, GradientCheckpointingLayer)
+        return None
+    return GradientCheckpointingLayer
 
 
 def apply_activation_checkpointing(model: nn.Module, mode: str = "full") -> nn.Module:
@@ -78,7 +80,9 @@ def apply_activation_checkpointing(model: nn.Module, mode: str = "full") -> nn.M
     if mode == "none":
         return model
     context_fn = selective_context if mode == "selective" else None
-    transformers_layers = [m for m in model.modules() if _is_transformers_layer(m)]
+    layer_class = _transformers_layer_class()
+    transformers_layers = [m for m in model.modules()
+                           if layer_class is not None and isinstance(m, layer_class)]
     if transformers_layers:
         for layer in transformers_layers:
             # What gradient_checkpointing_enable sets per layer: in training, the layer drops
