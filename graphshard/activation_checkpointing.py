@@ -17,11 +17,12 @@ torch.compile(fullgraph=True) refuses. generate() still caches (it asks for the 
 from __future__ import annotations
 
 import functools
-import sys
 
 import torch
 import torch.nn as nn
 from torch.utils.checkpoint import checkpoint, create_selective_checkpoint_contexts
+
+from graphshard._transformers import transformers_names
 
 MODES = ("none", "full", "selective")
 # Selective: save what is expensive to recompute (matmul and attention outputs), recompute the
@@ -59,18 +60,6 @@ def _checkpointed(context_fn, forward, *args, **kwargs):
     return checkpoint(forward, *args, use_reentrant=False, context_fn=context_fn, **kwargs)
 
 
-def _transformers_layer_class() -> type | None:
-    """transformers' GradientCheckpointingLayer, if transformers is in use (else no model of
-    its, and no import) and has it."""
-    if "transformers" not in sys.modules:
-        return None
-    try:
-        from transformers.modeling_layers import GradientCheckpointingLayer
-    except ImportError:  # a transformers from before GradientCheckpointingLayer
-        return None
-    return GradientCheckpointingLayer
-
-
 def apply_activation_checkpointing(model: nn.Module, mode: str = "full") -> nn.Module:
     """Checkpoint every repeated block ("full"), or keep only its matmul and attention outputs
     ("selective"); "none" leaves the model as it is. Applying it again replaces the mode (it
@@ -80,9 +69,10 @@ def apply_activation_checkpointing(model: nn.Module, mode: str = "full") -> nn.M
     if mode == "none":
         return model
     context_fn = selective_context if mode == "selective" else None
-    layer_class = _transformers_layer_class()
+    # transformers' blocks (what its gradient_checkpointing_enable switches), if any
+    layer_class = transformers_names("transformers.modeling_layers", "GradientCheckpointingLayer")
     transformers_layers = [m for m in model.modules()
-                           if layer_class is not None and isinstance(m, layer_class)]
+                           if layer_class is not None and isinstance(m, layer_class[0])]
     if transformers_layers:
         for layer in transformers_layers:
             # What gradient_checkpointing_enable sets per layer: in training, the layer drops

@@ -66,6 +66,7 @@ from torch.distributed.checkpoint.state_dict import (
 from torch.distributed.tensor import DTensor, Shard
 
 from graphshard import safetensors_io as st
+from graphshard._transformers import transformers_names
 from graphshard.early_optimizers import use_sharded_parameters
 from graphshard import sharding
 from graphshard.sharding import is_sharded, shard_state
@@ -987,16 +988,14 @@ def _transformers_conversion(model: nn.Module) -> tuple[list, list[str]]:
     and its save_pretrained undoes it: (the renamings: GPT-NeoX's embed_out -> lm_head, old
     LayerNorm gamma/beta -> weight/bias, ...; the weights it fuses from several checkpoint
     tensors, such as MoE experts, which load_pretrained does not). Nothing for other models."""
-    if "transformers" not in sys.modules:  # then no model of its (and no import: 60 MiB)
+    pretrained = transformers_names("transformers", "PreTrainedModel")
+    if pretrained is None or not isinstance(model, pretrained[0]):
         return [], []
-    from transformers import PreTrainedModel
-    if not isinstance(model, PreTrainedModel):
+    conversion = transformers_names("transformers.conversion_mapping", "WeightConverter",
+                                    "WeightRenaming", "get_model_conversion_mapping")
+    if conversion is None:  # a transformers from before its conversion mapping
         return [], []
-    try:
-        from transformers.conversion_mapping import (WeightConverter, WeightRenaming,
-                                                     get_model_conversion_mapping)
-    except ImportError:  # a transformers from before its conversion mapping
-        return [], []
+    WeightConverter, WeightRenaming, get_model_conversion_mapping = conversion
     transforms = get_model_conversion_mapping(model)
     return ([t for t in transforms if isinstance(t, WeightRenaming)],
             [target for t in transforms if isinstance(t, WeightConverter)
