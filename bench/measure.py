@@ -37,6 +37,7 @@ PHASES = ("forward", "backward", "optimizer")  # of a step, marked by `phase`
 # Where a compiled graph blocks on a collective (eager methods wait inside c10d: not seen).
 _WAIT_EVENT = "_c10d_functional::wait_tensor"
 _GLOO_PREFIX = "gloo:"
+_EXCHANGE_EVENT = "_c10d_functional::all_to_all_single"
 _FLOAT32_BYTES = 4
 
 
@@ -92,6 +93,18 @@ def _message_bytes(kind: str, shapes: list, world_size: int) -> int:
     return numel * factor * _FLOAT32_BYTES
 
 
+def _exchange_bytes(shapes: list, concrete_inputs: list) -> int:
+    """Logical size of an all-to-all: its input, counted with the rank's own chunk where the
+    transport keeps that chunk local (a split of 0 for the rank itself; gloo records only what
+    it sends)."""
+    numel = 1
+    for dim in shapes[0]:
+        numel *= dim
+    input_splits = concrete_inputs[2]
+    sent = sum(1 for split in input_splits if split)
+    return numel * len(input_splits) // max(sent, 1) * _FLOAT32_BYTES
+
+
 def analyze(prof: profile, world_size: int, steps: int = 1) -> StepProfile:
     """Collectives and peak memory of the `measured_step` region in a finished
     `memory_profile`, which holds `steps` training steps: collectives, bytes and phase times
@@ -111,7 +124,10 @@ def analyze(prof: profile, world_size: int, steps: int = 1) -> StepProfile:
         if name.startswith(_GLOO_PREFIX):
             kind = name[len(_GLOO_PREFIX):]
             counts[kind] += 1
-            sizes[kind] += _message_bytes(kind, event.shapes(), world_size)
+            if kind != "all_to_all":
+                sizes[kind] += _message_bytes(kind, event.shapes(), world_size)
+        elif name == _EXCHANGE_EVENT:  # the graph's op: its split sizes are recorded
+            sizes["all_to_all"] += _exchange_bytes(event.shapes(), event.concrete_inputs())
     counts = {kind: round(count / steps) for kind, count in counts.items()}
     sizes = {kind: round(size / steps) for kind, size in sizes.items()}
     breakdown = {name: sum(e.end_ns() - e.start_ns() for e in inside

@@ -224,6 +224,13 @@ def process_group_size(group_name: str) -> int:
     return _resolve_process_group(group_name).size()
 
 
+def process_group_rank(group_name: str) -> int:
+    """This process's rank in a live process group known only by its name (as above)."""
+    from torch.distributed.distributed_c10d import _resolve_process_group
+
+    return _resolve_process_group(group_name).rank()
+
+
 def backward_compiled_with_forward():
     """Compile the backward graph together with the forward (as AOT compile does), so `graphshard
     dump` sees both graphs without running any. Public replacement: none."""

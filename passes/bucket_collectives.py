@@ -148,7 +148,7 @@ def _rewrite_all_gather(gm: fx.GraphModule, bucket: Bucket, fake_mode) -> None:
 
 def _copy_out(emit, rows, members: list[fx.Node], numels: list[int]) -> list[fx.Node]:
     """Each member's column block of a gathered (N, S) bucket, copied out in its shape."""
-    pieces = emit(torch.ops.graphshard.split_copy.default, rows, numels, 1)  # compiler/ops.py
+    pieces = emit(torch.ops.graphshard.split_copy.default, [rows], numels)  # compiler/ops.py
     return _shaped(emit, pieces, members)
 
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import heapq
 import operator
+from fractions import Fraction
 from dataclasses import dataclass
 from typing import Any, Callable, Iterable, Mapping
 
@@ -116,11 +117,26 @@ def node_bytes(node: fx.Node) -> int:
     return 0 if val is None else tensor_bytes(val)
 
 
+# meta of an exchange that leaves this rank's own chunk out (the transport stage sets it)
+OWN_CHUNK_LOCAL = "graphshard_own_chunk_local"
+
+
 def unsharded_bytes(collective: fx.Node) -> int:
     """Size of the full (unsharded) buffer a collective moves: AG output, RS/AR input."""
-    if collective.target is ALL_GATHER or _transported(collective):
-        return node_bytes(collective)  # an exchange's output is as large as its input
+    if collective.target is ALL_GATHER:
+        return node_bytes(collective)
+    if _transported(collective):  # an exchange's output is as large as its input
+        return int(node_bytes(collective) * exchange_share(collective))
     return node_bytes(collective.args[0])
+
+
+def exchange_share(exchange: fx.Node) -> Fraction:
+    """The full buffer over what an exchange holds: N / (N - 1) where the rank's own chunk
+    stays local, else 1."""
+    if not exchange.meta.get(OWN_CHUNK_LOCAL):
+        return Fraction(1)
+    group_size = len(exchange.args[1])
+    return Fraction(group_size, group_size - 1)
 
 
 def fake_mode_of(gm: fx.GraphModule):

@@ -20,7 +20,7 @@ import re
 import warnings
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Any, Callable, Mapping, Sequence
+from typing import Any, Callable, Mapping, NamedTuple, Sequence
 
 import torch
 import torch.distributed as dist
@@ -86,6 +86,16 @@ def _uses_gloo(gm: fx.GraphModule) -> bool:
     """Whether the markers' process groups are gloo's (their backend travels in each marker)."""
     backends = {UnshardSpec.from_node(node).backend for node in _all_nodes(gm) if is_unshard(node)}
     return backends == {"gloo"}
+
+
+def _group_ranks(gm: fx.GraphModule) -> dict[str, int]:
+    """This process's rank in each process group the markers name (gather and reduce groups)."""
+    names = set()
+    for node in _all_nodes(gm):
+        if is_unshard(node):
+            spec = UnshardSpec.from_node(node)
+            names.update((spec.gather_group, *spec.reduce_groups))
+    return {name: compat.process_group_rank(name) for name in sorted(names) if name}
 
 
 def _param_order(gm: fx.GraphModule) -> dict[str, int]:
@@ -285,6 +295,14 @@ def run_pipeline(gm: fx.GraphModule, ctx: PassContext, observer: StageObserver |
     return gm
 
 
+class SplitContext(NamedTuple):
+    """What the split stages (forward, backward) know of the Dynamo graph they come from."""
+
+    param_order: Mapping[str, int] = {}  # parameter name -> registration index
+    via_all_to_all: frozenset[str] = frozenset()  # collective kinds exchanged by all-to-all
+    group_ranks: Mapping[str, int] = {}  # process group name -> this process's rank in it
+
+
 class GraphshardCompiler:
     """A Dynamo backend; `observer` sees every stage's graph (used by `graphshard dump`)."""
 
@@ -295,8 +313,7 @@ class GraphshardCompiler:
         self.aot_cache = aot_cache  # see _reuses_cache
         self.cluster = cluster or (ClusterSpec.from_json(options.cluster) if options.cluster
                                    else ClusterSpec.default())
-        # (param_order, via_all_to_all) of the Dynamo graph being compiled, for the split stages
-        self.split_context: tuple[Mapping[str, int], frozenset[str]] = ({}, frozenset())
+        self.split_context = SplitContext()  # of the Dynamo graph being compiled
         # The memory model's view of the compiled step (`predicted_peak_bytes`).
         self.training_graphs = 0  # joint graphs partitioned (one per Dynamo graph)
         self.state_bytes: int | None = None
@@ -321,7 +338,8 @@ class GraphshardCompiler:
         """The same compiler (cluster, the graph being compiled) with other options and no
         observer: what it lowers is a probe (the planner's, "auto"'s), not the compiled step."""
         other = GraphshardCompiler(options, None, self.cluster)
-        other.split_context = self.split_context
+        # A probe's prediction must be every rank's: no rank-specific lowering in it.
+        other.split_context = self.split_context._replace(group_ranks={})
         return other
 
     def lower_joint(self, joint: fx.GraphModule, joint_inputs, **partition_kwargs):
@@ -333,13 +351,13 @@ class GraphshardCompiler:
     def run_split_stages(self, forward: fx.GraphModule, backward: fx.GraphModule, *,
                          stop_after: str | None = None, resume: bool = False):
         """The split stages on a partition's forward and backward (`run_pipeline`'s options)."""
-        return tuple(run_pipeline(gm, self._context(kind, *self.split_context), self.observer,
+        return tuple(run_pipeline(gm, self._context(kind, self.split_context), self.observer,
                                   stop_after=stop_after, resume=resume)
                      for kind, gm in (("forward", forward), ("backward", backward)))
 
-    def _context(self, graph_kind: str, param_order: Mapping[str, int] = {},
-                 via_all_to_all: frozenset[str] = frozenset()) -> PassContext:
-        return PassContext(graph_kind, self.options, param_order, self.cluster, via_all_to_all)
+    def _context(self, graph_kind: str, split: SplitContext = SplitContext()) -> PassContext:
+        return PassContext(graph_kind, self.options, split.param_order, self.cluster,
+                           split.via_all_to_all, group_ranks=split.group_ranks)
 
     def partition(self, joint: fx.GraphModule, joint_inputs, **kwargs):
         """AOTAutograd's partition_fn: the joint stages (tag what stays gathered), then Inductor's
@@ -368,7 +386,7 @@ class GraphshardCompiler:
         return keeping_costs_peak_memory(
             forward, backward, params, lambda node: node_cost(node, self.cluster).seconds,
             lambda nbytes: collective_time("all_gather", nbytes, group_size, self.cluster),
-            send_buffer="all_gather" in self.split_context[1])
+            send_buffer="all_gather" in self.split_context.via_all_to_all)
 
     def _choose_kept_units(self, joint: fx.GraphModule, joint_inputs, kwargs) -> frozenset[str]:
         """reshard_after_forward="auto": rank the units by gather time saved per byte kept, then
@@ -427,14 +445,15 @@ class GraphshardCompiler:
 
     def _cache_salt(self) -> str:
         """What the compiled graphs depend on beyond the Dynamo graph: our options, the cluster
-        the cost model schedules for, and graphshard's code."""
+        the cost model schedules for, graphshard's code, and the ranks the transport's graphs
+        are specific to (ranks sharing a cache directory must not load each other's)."""
+        ranks = sorted(self.split_context.group_ranks.items())
         return "graphshard-" + hashlib.sha256(
-            repr((self.options, self.cluster, _source_digest())).encode()).hexdigest()[:32]
+            repr((self.options, self.cluster, _source_digest(), ranks)).encode()).hexdigest()[:32]
 
-    def _graph_compiler(self, graph_kind: str, param_order: Mapping[str, int],
-                        via_all_to_all: frozenset[str]):
+    def _graph_compiler(self, graph_kind: str, split: SplitContext):
         def compile_graph(gm: fx.GraphModule, example_inputs: Sequence[Any]):
-            ctx = self._context(graph_kind, param_order, via_all_to_all)
+            ctx = self._context(graph_kind, split)
             gm = run_pipeline(gm, ctx, self.observer)
             self.graph_memory[graph_kind] = graph_memory(gm, graph_kind)
             if self.options.compiler == "eager":
@@ -454,10 +473,11 @@ class GraphshardCompiler:
         _check_parameters_read_as_attributes(gm, example_inputs)
         _check_gathered_weights_not_edited(gm)
         gm = run_pipeline(gm, self._context("dynamo"), self.observer)
-        param_order = _param_order(gm)
         via_all_to_all = self.options.via_all_to_all(on_gloo=_uses_gloo(gm))
-        self.split_context = (param_order, via_all_to_all)
-        compilers = {kind: self._graph_compiler(kind, param_order, via_all_to_all)
+        split = SplitContext(_param_order(gm), via_all_to_all,
+                             _group_ranks(gm) if via_all_to_all else {})
+        self.split_context = split
+        compilers = {kind: self._graph_compiler(kind, split)
                      for kind in ("forward", "backward", "inference")}
         # A backend id set by Dynamo itself (precompile packaging) is not ours to replace.
         if self._reuses_cache() and getattr(gm, "_backend_id", None) is None:

@@ -23,7 +23,7 @@ from torch.fx.experimental.symbolic_shapes import optimization_hint
 from torch.utils.flop_counter import flop_registry
 
 from graphshard.passes.graph_utils import (COLLECTIVES, FREE_STORAGE, collective_group, collective_kind,
-                                          is_collective, is_view, is_wait)
+                                          exchange_share, is_collective, is_view, is_wait)
 
 aten = torch.ops.aten
 Sym = Union[int, float, sympy.Expr]  # a number, or a formula in e.g. sympy.Symbol("N")
@@ -339,7 +339,9 @@ def collective_node_cost(node: fx.Node, spec: ClusterSpec, world_size: GroupSize
     kind = collective_kind(node)
     # all-gather's output is the full buffer; reduce-scatter's and all-reduce's input is.
     full = node if kind == "all_gather" else node.args[0]
+    share = exchange_share(node)  # an exchange that keeps this rank's chunk sends less
     nbytes = value_bytes(_node_val(full), symbolic)
+    nbytes = nbytes * sympy.Rational(share.numerator, share.denominator) if symbolic else int(nbytes * share)
     group = _group_size(node, world_size)
     group = _as_sym(group) if symbolic else _scalar(group, False)
     return CollectiveCost(kind, nbytes, group, wire_bytes(kind, nbytes, group),

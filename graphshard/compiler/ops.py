@@ -43,17 +43,28 @@ def _reduce_grad_fake(grad, *args):
 
 
 @torch.library.custom_op("graphshard::split_copy", mutates_args=())
-def split_copy(buffer: torch.Tensor, sizes: list[int], dim: int) -> list[torch.Tensor]:
-    """Contiguous copies of `buffer`'s consecutive slices of `sizes` along `dim`: a bucket's
-    copy-out in one call. Inductor runs it as is (FSDP2's split_with_sizes_copy), where slicing
-    in the graph would make it generate and compile a kernel for every parameter: each differs
-    in its offset into the bucket, so none is shared between parameters."""
-    return list(torch.split_with_sizes_copy(buffer, sizes, dim))  # contiguous copies
+def split_copy(row_blocks: list[torch.Tensor], sizes: list[int]) -> list[torch.Tensor]:
+    """Contiguous copies of consecutive column slices of `sizes` of the (rows, S) matrix that
+    `row_blocks` make stacked on dim 0: a bucket's copy-out in one call (its rows may come from
+    several buffers: an exchange that leaves this rank's own row out). Inductor runs it as is
+    (FSDP2's split_with_sizes_copy), where slicing in the graph would make it generate and
+    compile a kernel for every parameter: each differs in its offset into the bucket, so none
+    is shared between parameters."""
+    if len(row_blocks) == 1:
+        return list(torch.split_with_sizes_copy(row_blocks[0], sizes, 1))  # contiguous copies
+    outputs = _split_copy_fake(row_blocks, sizes)
+    start = 0
+    for block in row_blocks:
+        stop = start + block.shape[0]
+        torch.split_with_sizes_copy(block, sizes, 1, out=[out[start:stop] for out in outputs])
+        start = stop
+    return outputs
 
 
 @split_copy.register_fake
-def _split_copy_fake(buffer, sizes, dim):
-    return [buffer.new_empty((*buffer.shape[:dim], size, *buffer.shape[dim + 1:])) for size in sizes]
+def _split_copy_fake(row_blocks, sizes):
+    rows = sum(block.shape[0] for block in row_blocks)
+    return [row_blocks[0].new_empty((rows, size)) for size in sizes]
 
 
 def call_unshard(shard: torch.Tensor, spec: UnshardSpec) -> torch.Tensor:
