@@ -21,6 +21,7 @@ model, inputs, the interpreter).
 
 from __future__ import annotations
 
+import math
 import statistics
 from collections import defaultdict
 from contextlib import contextmanager
@@ -86,9 +87,7 @@ def _message_bytes(kind: str, shapes: list, world_size: int) -> int:
     buffer). The dtype is not recorded on gloo events; every method benchmarked here
     communicates float32.
     """
-    numel = 1
-    for dim in (shapes[0] if shapes else []):
-        numel *= dim
+    numel = math.prod(shapes[0] if shapes else [])
     factor = world_size if "gather" in kind else 1
     return numel * factor * _FLOAT32_BYTES
 
@@ -97,9 +96,7 @@ def _exchange_bytes(shapes: list, concrete_inputs: list) -> int:
     """Logical size of an all-to-all: its input, counted with the rank's own chunk where the
     transport keeps that chunk local (a split of 0 for the rank itself; gloo records only what
     it sends)."""
-    numel = 1
-    for dim in shapes[0]:
-        numel *= dim
+    numel = math.prod(shapes[0])
     input_splits = concrete_inputs[2]
     sent = sum(1 for split in input_splits if split)
     return numel * len(input_splits) // max(sent, 1) * _FLOAT32_BYTES

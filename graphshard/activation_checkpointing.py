@@ -70,9 +70,8 @@ def apply_activation_checkpointing(model: nn.Module, mode: str = "full") -> nn.M
         return model
     context_fn = selective_context if mode == "selective" else None
     # transformers' blocks (what its gradient_checkpointing_enable switches), if any
-    layer_class = transformers_names("transformers.modeling_layers", "GradientCheckpointingLayer")
-    transformers_layers = [m for m in model.modules()
-                           if layer_class is not None and isinstance(m, layer_class[0])]
+    found = transformers_names("transformers.modeling_layers", "GradientCheckpointingLayer")
+    transformers_layers = [] if found is None else [m for m in model.modules() if isinstance(m, found[0])]
     if transformers_layers:
         for layer in transformers_layers:
             # What gradient_checkpointing_enable sets per layer: in training, the layer drops

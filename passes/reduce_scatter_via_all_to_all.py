@@ -51,15 +51,16 @@ def reduce_scatter_via_all_to_all(gm: fx.GraphModule, ctx: PassContext | None = 
         splits = [0 if own_local and r == rank else chunk for r in range(group_size)]
         with gm.graph.inserting_before(scatter):
             flat = emit(aten.reshape.default, source, [-1])
-            # the chunks for the other ranks: all but the first, or all but the last
-            send = emit(aten.slice.Tensor, flat, 0, chunk, numel) if own_local and rank == 0 else (
-                emit(aten.slice.Tensor, flat, 0, 0, numel - chunk) if own_local else flat)
+            send = flat
+            if own_local:  # the chunks for the other ranks: all but the first, or all but the last
+                others = (chunk, numel) if rank == 0 else (0, numel - chunk)
+                send = emit(aten.slice.Tensor, flat, 0, *others)
             exchanged = emit(ALL_TO_ALL, send, splits, splits, group_name)
         if own_local:
             exchanged.meta[OWN_CHUNK_LOCAL] = True
         with gm.graph.inserting_before(wait):
             received = emit(WAIT, exchanged)
-            rows = emit(aten.view.default, received, [group_size - own_local, chunk])
+            rows = emit(aten.view.default, received, [group_size - 1 if own_local else group_size, chunk])
             summed = emit(aten.sum.dim_IntList, rows, [0])
             if own_local:
                 own = emit(aten.slice.Tensor, flat, 0, rank * chunk, (rank + 1) * chunk)
