@@ -242,7 +242,10 @@ class RunResult:
     output_dtype: torch.dtype | None = None
     grad_problems: list[str] = field(default_factory=list)  # see tests/workers.py
     collectives: dict[str, int] = field(default_factory=dict)  # graph kind -> collectives
-    # SDPA forwards in the backward graph: attention recomputed (activation checkpointing)
+    # Forward ops that the backward graph recomputes (activation checkpointing tags them),
+    # of them matmuls, and SDPA forwards in the backward graph (attention recomputed)
+    recomputed_ops: int = 0
+    recomputed_matmuls: int = 0
     recomputed_attention: int = 0
     model_graphs: int = 0  # graphs compiled by graphshard (forward graphs handed to Inductor)
     graphs: int = 0  # all Dynamo graphs (with bf16 and float inputs: + the input-cast hook's)
@@ -355,6 +358,20 @@ def reference(config: ZooConfig, world: int, compute_bf16: bool | None = None) -
             for r in range(world)]
 
 
+MATMULS = (torch.ops.aten.mm.default, torch.ops.aten.addmm.default, torch.ops.aten.bmm.default)
+
+
+def _is_recomputed(node: torch.fx.Node) -> bool:
+    # torch.utils.checkpoint tags the ops of a checkpointed region (selective: the ones its
+    # policy does not save) PREFER_RECOMPUTE; the partitioner copies them, tag and all, into the
+    # backward graph. Without checkpointing no op carries the tag (the partitioner's own
+    # recomputation of cheap ops does not add it).
+    from torch.utils.checkpoint import CheckpointPolicy
+
+    return (node.op == "call_function"
+            and node.meta.get("recompute") == CheckpointPolicy.PREFER_RECOMPUTE)
+
+
 def _is_sdpa_forward(node: torch.fx.Node) -> bool:
     # Recomputed under checkpointing, SDPA (an RNG op: dropout) runs inside run_with_rng_state.
     def is_sdpa(target: Any) -> bool:
@@ -394,6 +411,9 @@ def train_sharded(rank: int, world: int, configs: list[ZooConfig]) -> list[RunRe
                 result.collectives[kind] = result.collectives.get(kind, 0) + count
                 result.model_graphs += kind == "forward"
                 if kind == "backward":
+                    recomputed = [node for node in gm.graph.nodes if _is_recomputed(node)]
+                    result.recomputed_ops += len(recomputed)
+                    result.recomputed_matmuls += sum(node.target in MATMULS for node in recomputed)
                     result.recomputed_attention += sum(map(_is_sdpa_forward, gm.graph.nodes))
 
         try:

@@ -119,10 +119,14 @@ def _check_ran_sharded(config: ZooConfig, results: list[RunResult]) -> None:
             assert (result.model_graphs, result.graph_breaks) == (1, 0)
             assert result.collectives.get("forward", 0) > 0, result.collectives
             assert result.collectives.get("backward", 0) > 0, result.collectives
-            # Checkpointing recomputes attention in backward; selective keeps its output, and
-            # without checkpointing nothing is recomputed.
-            assert (result.recomputed_attention > 0) == (config.checkpointing in ("hf", "full")), \
-                result.recomputed_attention
+            # Checkpointing recomputes the block in backward: all of it (matmuls, attention)
+            # when full, only what is not a matmul or attention output when selective;
+            # without it nothing is recomputed.
+            whole_block = config.checkpointing in ("hf", "full")
+            checkpointed = config.checkpointing != "none"
+            assert (result.recomputed_ops > 0) == checkpointed, result.recomputed_ops
+            assert (result.recomputed_matmuls > 0) == whole_block, result.recomputed_matmuls
+            assert (result.recomputed_attention > 0) == whole_block, result.recomputed_attention
     assert results[0].losses == results[1].losses
     assert results[0].collectives == results[1].collectives
     assert _max_diff(results[0].params, results[1].params) == 0  # one model, gathered alike
