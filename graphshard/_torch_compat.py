@@ -312,3 +312,66 @@ def written_arguments(func, args: tuple, kwargs: dict) -> list:
         if argument.alias_info is not None and argument.alias_info.is_write:
             written.append(value)
     return written
+
+
+# --------------------------------------------------------------------------- runtime of shard()
+#
+# What graphshard.shard's runtime (graphshard/sharding.py, graphshard/runtime/) reads of torch's
+# internals.
+
+
+def tree_leaves(tree) -> list:
+    """The leaves of a nest of tuples, lists and dicts (an ATen call's arguments). Public
+    replacement: none in torch (torch.utils._pytree; the optree package outside it)."""
+    from torch.utils._pytree import tree_leaves as leaves
+
+    return leaves(tree)
+
+
+def tree_map(fn: Callable, tree):
+    """`tree` with `fn` applied to every leaf (forward inputs cast to the compute dtype).
+    Public replacement: none in torch (torch.utils._pytree)."""
+    from torch.utils._pytree import tree_map as map_
+
+    return map_(fn, tree)
+
+
+def tree_map_only(kind: type, fn: Callable, tree):
+    """`tree` with `fn` applied to the leaves of type `kind` (GatheredWeight's dispatch).
+    Public replacement: none in torch (torch.utils._pytree)."""
+    from torch.utils._pytree import tree_map_only as map_only
+
+    return map_only(kind, fn, tree)
+
+
+def version_counter(tensor: torch.Tensor) -> int:
+    """The count of in-place writes to `tensor` (a gathered weight refuses to write back an edit
+    made before its parameter last changed). Public replacement: none (Tensor._version)."""
+    return tensor._version
+
+
+def is_norm_with_running_stats(module: torch.nn.Module) -> bool:
+    """A BatchNorm or InstanceNorm layer, their lazy and sync variants and subclasses of their
+    common base (which keeps the parameters beside fp32 running statistics). Public replacement:
+    isinstance over the public BatchNorm*/InstanceNorm*/SyncBatchNorm classes, which misses
+    subclasses of the private base (torch.nn.modules.batchnorm._NormBase)."""
+    return isinstance(module, torch.nn.modules.batchnorm._NormBase)
+
+
+def rnn_flat_weight_names(module: torch.nn.RNNBase) -> list[str]:
+    """An RNN's weight names in the order its kernel takes them. Public replacement: none
+    (nn.RNNBase._flat_weights_names)."""
+    return module._flat_weights_names
+
+
+def _no_weight_cache(self) -> None:
+    return None
+
+
+def rnn_weight_cache_overrides(read_weights: Callable) -> dict[str, Any]:
+    """Class attributes for an nn.RNNBase subclass that reads its weights through
+    `read_weights(module)` at every call, instead of the parameter objects nn.RNNBase caches at
+    construction (`_flat_weights`), and re-caches nothing when they change (`_apply`, each
+    forward's check: `_init_flat_weights`, `_update_flat_weights`). Public replacement: none."""
+    return {"_flat_weights": property(read_weights, lambda self, value: None),
+            "_init_flat_weights": _no_weight_cache, "_update_flat_weights": _no_weight_cache}

@@ -3,7 +3,7 @@
 shard() replaces each parameter by a new one holding this rank's shard (as FSDP2's fully_shard
 does). An optimizer made from `model.parameters()` before that holds the originals, which never
 get a gradient again: it would silently train nothing (DDP, which keeps the parameters, lets
-users build the optimizer first). So shard() remembers, on each original, the parameter that
+users build the optimizer first). So shard() remembers, for each original, the parameter that
 replaced it, and swaps the replaced parameters for their shards in every live optimizer as its
 last act (then the originals' memory is freed, and GradScaler.unscale_ or clipping over the
 optimizer's groups see the shards). Python keeps no registry of optimizers, so shard() finds
@@ -21,9 +21,13 @@ import gc
 import torch
 import torch.nn as nn
 from torch.optim.optimizer import register_optimizer_step_pre_hook
+from torch.utils.weak import WeakIdKeyDictionary
 
-_REPLACED_BY = "_graphshard_replaced_by"  # on an original parameter: the shard that replaced it
-_CHECKED = "_graphshard_checked"  # on an optimizer: (replacements, its parameters) when checked
+# Process-wide, as optimizers are (Python keeps no registry of them). Keyed by identity and held
+# weakly: an original parameter no optimizer holds any more is forgotten with it.
+_replaced_by: WeakIdKeyDictionary = WeakIdKeyDictionary()  # original parameter -> its shard
+# optimizer -> (replacements, its parameters) when last checked
+_checked: WeakIdKeyDictionary = WeakIdKeyDictionary()
 _hook = None
 _replacements = 0
 
@@ -31,10 +35,7 @@ _replacements = 0
 def remember_replacement(original: nn.Parameter, sharded: nn.Parameter) -> None:
     """Called by shard() for each parameter it replaces; installs the step hook once."""
     global _hook, _replacements
-    try:
-        setattr(original, _REPLACED_BY, sharded)
-    except (AttributeError, TypeError):  # a parameter class without attributes of its own
-        return
+    _replaced_by[original] = sharded
     _replacements += 1
     if _hook is None:
         _hook = register_optimizer_step_pre_hook(
@@ -55,11 +56,11 @@ def use_sharded_parameters(optimizer: torch.optim.Optimizer, refuse_stale: bool 
     """Swap the replaced parameters in `optimizer`'s groups for their shards (at the end of
     shard(), before a step, and before graphshard.checkpoint saves or loads its state)."""
     checked = (_replacements, sum(len(group["params"]) for group in optimizer.param_groups))
-    if getattr(optimizer, _CHECKED, None) == checked:  # no shard() and no group added since
+    if _checked.get(optimizer) == checked:  # no shard() and no group added since
         return
-    replaced = [(group["params"], index, getattr(param, _REPLACED_BY))
+    replaced = [(group["params"], index, _replaced_by[param])
                 for group in optimizer.param_groups for index, param in enumerate(group["params"])
-                if getattr(param, _REPLACED_BY, None) is not None]
+                if param in _replaced_by]
     stale = [tuple(params[index].shape) for params, index, _ in replaced
              if optimizer.state.get(params[index])]
     if stale:  # checked before any swap: the optimizer is left as it was
@@ -72,4 +73,4 @@ def use_sharded_parameters(optimizer: torch.optim.Optimizer, refuse_stale: bool 
             "Adagrad's). Create the optimizer after graphshard.shard(model).")
     for params, index, sharded in replaced:
         params[index] = sharded
-    setattr(optimizer, _CHECKED, checked)
+    _checked[optimizer] = checked

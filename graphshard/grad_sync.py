@@ -20,8 +20,8 @@ How it is built, without mutating anything inside a backward graph (AOTAutograd 
   eager reduction per parameter (not bucketed, not overlapped) on top of the last backward's
   own, where folding the sum into the last backward would cost none; but it does not depend on
   which reads of a parameter reach the loss: nn.MultiheadAttention reads `in_proj_weight` for
-  its fast-path checks before the read it computes with, and an earlier design that added the
-  sum at the first read lost it there.
+  its fast-path checks before the read it computes with, so a sum added at the first read
+  would be lost there.
 - Under torch.compile the property reads the mode; Dynamo guards on it, so each mode compiles
   to its own graph once.
 """
@@ -29,44 +29,13 @@ How it is built, without mutating anything inside a backward graph (AOTAutograd 
 from __future__ import annotations
 
 import contextlib
-import enum
-from dataclasses import dataclass, field
-from typing import Iterator
 
 import torch
 import torch.nn as nn
 
 from graphshard.compiler.ops import call_reduce_grad, call_unshard
 from graphshard.passes.markers import ReduceSpec, UnshardSpec
-from graphshard.state import shard_state, sharded_params
-
-
-class SyncMode(enum.Enum):
-    SYNC = "sync"  # reduce-scatter (+ all-reduce across replicas) every backward
-    NO_SYNC = "no_sync"  # no reduction: full gradients accumulate locally
-    NO_ALL_REDUCE = "no_all_reduce"  # hybrid: reduce-scatter in the group, no cross-group AR
-
-
-@dataclass
-class GradSync:
-    """Mutable per-model switches and accumulation buffers, shared by every sharded module."""
-
-    requires_gradient_sync: bool = True
-    requires_all_reduce: bool = True
-    full_leaves: dict[str, torch.Tensor] = field(default_factory=dict)  # fqn -> full-shape leaf
-    partial_leaves: dict[str, torch.Tensor] = field(default_factory=dict)  # fqn -> shard leaf
-
-    @property
-    def mode(self) -> SyncMode:
-        if not self.requires_gradient_sync:
-            return SyncMode.NO_SYNC
-        if not self.requires_all_reduce:
-            return SyncMode.NO_ALL_REDUCE
-        return SyncMode.SYNC
-
-    def accumulating(self, partial: bool) -> bool:
-        leaves = self.partial_leaves if partial else self.full_leaves
-        return any(leaf.grad is not None for leaf in leaves.values())
+from graphshard.state import GradSync, SyncMode, shard_state, sharded_params
 
 
 def _accumulation_leaf(shape: torch.Size, dtype: torch.dtype, device: torch.device) -> torch.Tensor:

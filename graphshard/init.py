@@ -24,7 +24,9 @@ import torch
 import torch.nn as nn
 from torch.distributed.tensor import DTensor
 
-from graphshard.sharding import SPECS_ATTR, _local_dim0_slice, bind_local_shards, shard_state
+from graphshard.runtime.parts import local_dim0_slice
+from graphshard.sharding import bind_local_shards
+from graphshard.state import module_shards, plain_class, shard_state
 
 
 def _default_init(module: nn.Module) -> None:
@@ -64,7 +66,8 @@ def materialize(model: nn.Module, device: str | torch.device = "cpu",
         for name, buf in module._buffers.items():
             if buf is not None and buf.is_meta:
                 module._buffers[name] = torch.empty_like(buf, device=device)
-        specs = getattr(module, SPECS_ATTR, {})
+        record = module_shards(module)
+        specs = record.specs if record is not None else {}
         originals = dict(module._parameters)
         for name, param in originals.items():
             if param is None or not param.is_meta:
@@ -78,7 +81,7 @@ def materialize(model: nn.Module, device: str | torch.device = "cpu",
         # The sharded class's properties would return a fresh gathered tensor, so in-place
         # init through `module.weight` would be lost: init on the plain class.
         sharded_cls = type(module)
-        module.__class__ = getattr(sharded_cls, "_graphshard_base_class", sharded_cls)
+        module.__class__ = plain_class(module)
         try:
             with torch.no_grad():
                 init_fn(module)
@@ -103,8 +106,8 @@ def _shard_of(full: nn.Parameter, old: nn.Parameter, spec, mesh) -> nn.Parameter
         return nn.Parameter(full.detach(), requires_grad=old.requires_grad)
     shard_dim = mesh.ndim - 1
     if spec.gather_group:  # sharded on dim 0
-        local = _local_dim0_slice(full.detach(), mesh.get_local_rank(shard_dim),
-                                  mesh.size(shard_dim))
+        local = local_dim0_slice(full.detach(), mesh.get_local_rank(shard_dim),
+                                 mesh.size(shard_dim))
     else:
         local = full.detach()
     local = local.clone(memory_format=torch.contiguous_format)  # own storage: only the shard

@@ -22,9 +22,11 @@ from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model
 from torch.distributed.tensor import DTensor
 
 import graphshard
-from graphshard import checkpoint, sharding
+from graphshard import checkpoint
+from graphshard.runtime import sharded_class as sharded_class_module
+from graphshard.runtime.sharded_class import sharded_class
+from graphshard.state import module_shards
 from graphshard.tools.launch import run_local
-from graphshard.sharding import LOCALS_ATTR, _sharded_class
 from tests.zoo import Zoo, zoo_batch, zoo_loss
 
 STRATEGIES = ("full_shard", "no_shard")
@@ -67,12 +69,18 @@ def _full_params(model: nn.Module) -> dict[str, torch.Tensor]:
     return {n: p.full_tensor() for n, p in model.named_parameters()}
 
 
+def _shards(module: nn.Module) -> dict | None:
+    """The module's local shards by parameter name (None: it owns no sharded parameter)."""
+    record = module_shards(module)
+    return None if record is None else record.shards
+
+
 def _leaves_bound(model: nn.Module) -> bool:
     """Every local-shard leaf is bound to its module's current parameter and shares its storage."""
     for module in model.modules():
-        for name, leaf in getattr(module, LOCALS_ATTR, {}).items():
-            param = module._parameters[name]
-            if leaf._graphshard_param is not param or (
+        for name, shard in (_shards(module) or {}).items():
+            param, leaf = module._parameters[name], shard.leaf
+            if shard.param is not param or (
                     leaf.numel() and leaf.data_ptr() != param.to_local().data_ptr()):
                 return False
     return True
@@ -80,19 +88,19 @@ def _leaves_bound(model: nn.Module) -> bool:
 
 @contextlib.contextmanager
 def _counting_gathers():
-    """Counts the parameter properties' gathers (graphshard.sharding.call_unshard) in the block."""
+    """Counts the parameter properties' gathers (their module's call_unshard) in the block."""
     count = [0]
-    original = sharding.call_unshard
+    original = sharded_class_module.call_unshard
 
     def counting(local, spec):
         count[0] += 1
         return original(local, spec)
 
-    sharding.call_unshard = counting
+    sharded_class_module.call_unshard = counting
     try:
         yield count
     finally:
-        sharding.call_unshard = original
+        sharded_class_module.call_unshard = original
 
 
 def _eager_step(model: nn.Module, tokens: torch.Tensor) -> tuple[torch.Tensor, dict]:
@@ -253,15 +261,14 @@ def _copy_checks(strategy: str, tokens: torch.Tensor, rank: int, directory: str)
                              param_dtype=torch.float64 if strategy == "no_shard" else None)
     shallow = copy.copy(model)
     result["shallow_shares"] = all(
-        getattr(a, LOCALS_ATTR, None) == getattr(b, LOCALS_ATTR, None)
+        _shards(a) == _shards(b)
         and a._parameters is b._parameters
         for a, b in zip(model.modules(), shallow.modules()))
     twin = copy.deepcopy(model)
     result["twin_class_shared"] = all(type(a) is type(b) for a, b in
                                       zip(model.modules(), twin.modules()))
     result["twin_leaves_bound"] = _leaves_bound(twin)
-    result["twin_tied"] = getattr(twin.emb, LOCALS_ATTR)["weight"] is getattr(twin.head,
-                                                                           LOCALS_ATTR)["weight"]
+    result["twin_tied"] = _shards(twin.emb)["weight"] is _shards(twin.head)["weight"]
     result["twin_storage_own"] = all(
         a.to_local().data_ptr() != b.to_local().data_ptr() or not a.to_local().numel()
         for a, b in zip(model.parameters(), twin.parameters()))
@@ -363,8 +370,8 @@ def _setup_order_checks(tokens: torch.Tensor, directory: str) -> dict:
     checks["adagrad_first"] = _error(lambda: train(graphshard.shard(adagrad), optimizer, steps=1))
     partly = graphshard.shard(_zoo(0))
     partly.head.double()  # head.weight is emb.weight: the embedding reads the cast weight too
-    checks["tied_cast"] = (partly.emb.weight.dtype, getattr(partly.emb, LOCALS_ATTR)["weight"]
-                           is getattr(partly.head, LOCALS_ATTR)["weight"])
+    checks["tied_cast"] = (partly.emb.weight.dtype,
+                           _shards(partly.emb)["weight"] is _shards(partly.head)["weight"])
 
     cast, reference = graphshard.shard(_zoo(0)).double(), _zoo(0).double()
     # Inductor (the default compiler) with the native transports (the path NCCL users run)
@@ -407,7 +414,7 @@ def _reload(rank: int, world: int, directory: str) -> dict:
                            weights_only=False)
         model = saved["model"]
         results[strategy] = {
-            "class": type(model.block) is _sharded_class(nn.Linear, ("bias", "weight")),
+            "class": type(model.block) is sharded_class(nn.Linear, ("bias", "weight")),
             "leaves_bound": _leaves_bound(model),
             "step": _eager_step(model, tokens),
             "expected": saved["step"],

@@ -25,6 +25,7 @@ import pytest
 import torch
 
 import graphshard
+from graphshard.state import module_shards
 from graphshard.tools.launch import run_local
 from tests.model_zoo import (GLOBAL_BATCH, ZOO, ConvNet, RunResult, ZooConfig, build, reference,
                              train_sharded)
@@ -186,7 +187,7 @@ def test_batchnorm_parameters_keep_their_dtype_under_bf16(fake_pg):
     # Float") while the compiled one (Inductor's decomposition) runs without complaint.
     # graphshard keeps normalisation layers with running statistics in their dtype, as FSDP1.
     model = graphshard.shard(ConvNet(), param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
-    batchnorm, conv = model.features[1]._graphshard_specs, model.features[0]._graphshard_specs
+    batchnorm, conv = (module_shards(model.features[i]).specs for i in (1, 0))
     assert {name: spec.compute_dtype for name, spec in batchnorm.items()} == \
         {"weight": None, "bias": None}
     assert conv["weight"].compute_dtype == torch.bfloat16

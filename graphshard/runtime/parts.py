@@ -1,0 +1,47 @@
+"""This rank's part of a full tensor, cut as graphshard.shard cuts it: torch.chunk along dim 0
+over the shard (last) mesh dimension, or whole where the parameter is replicated."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn as nn
+from torch.distributed.tensor import DTensor
+
+
+def local_dim0_slice(full: torch.Tensor, coordinate: int, size: int) -> torch.Tensor:
+    """The `coordinate`-th of `size` torch.chunk pieces of `full` along dim 0 (empty past the
+    last piece: uneven shards)."""
+    chunks = torch.chunk(full, size, dim=0)
+    if coordinate < len(chunks):
+        return chunks[coordinate]
+    return full.new_empty((0, *full.shape[1:]))
+
+
+def contiguous_strides(shape: torch.Size) -> tuple[int, ...]:
+    # The local shard is a contiguous clone, so the global layout is contiguous too (the
+    # original parameter may have been a transposed view).
+    strides, step = [], 1
+    for size in reversed(shape):
+        strides.append(step)
+        step *= max(size, 1)
+    return tuple(reversed(strides))
+
+
+def this_rank_part(full: torch.Tensor, param: nn.Parameter) -> torch.Tensor:
+    """This rank's local shard of `full` (`param`'s global shape), on `param`'s device."""
+    mesh = param.device_mesh
+    shard_dim = mesh.ndim - 1
+    part = full.detach()
+    if param.placements[shard_dim].is_shard():
+        part = local_dim0_slice(part, mesh.get_local_rank(shard_dim), mesh.size(shard_dim))
+    local = param.to_local()
+    return part.to(torch.device(mesh.device_type) if local.is_meta else local.device)
+
+
+def dtensor_part(full: torch.Tensor, param: nn.Parameter, own_storage: bool) -> DTensor:
+    """This rank's part of `full` as a DTensor laid out like `param`."""
+    part = this_rank_part(full, param)
+    if own_storage:
+        part = part.clone(memory_format=torch.contiguous_format)
+    return DTensor.from_local(part, param.device_mesh, param.placements, run_check=False,
+                              shape=param.shape, stride=param.stride())
