@@ -18,6 +18,7 @@ import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
 
 from graphshard.bench.workload import transformer_blocks
+from graphshard.passes.units import named_blocks
 
 
 class MethodUnavailable(RuntimeError):
@@ -43,16 +44,15 @@ def _ddp(model: nn.Module, mesh: DeviceMesh) -> nn.Module:
 def _fsdp2(model: nn.Module, mesh: DeviceMesh, compile_blocks: bool = False) -> nn.Module:
     from torch.distributed.fsdp import fully_shard
 
-    blocks = transformer_blocks(model)
     if compile_blocks:
         # torchtitan's recipe: compile each block whole (fullgraph) and wrap the compiled
         # block, so FSDP2's hooks stay outside the graphs. Compiling the whole model instead
         # graph-breaks on the hooks inside the block loop and Dynamo then skips the model's
         # forward frame, for every later method too.
-        for index, block in enumerate(blocks):
-            blocks[index] = torch.compile(block, fullgraph=True)
+        for name, block in named_blocks(model).items():
+            model.set_submodule(name, torch.compile(block, fullgraph=True))
     # Per block, then the root (embeddings, final norm, output): the usual FSDP2 wrapping.
-    for block in blocks:
+    for block in transformer_blocks(model):
         fully_shard(block, mesh=mesh)
     return fully_shard(model, mesh=mesh)
 

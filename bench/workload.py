@@ -10,6 +10,7 @@ from typing import Callable
 import torch
 import torch.nn as nn
 
+from graphshard.passes.units import repeated_blocks
 from graphshard.tools.models import BUILTIN_MODELS, build_model, cross_entropy_loss, synthetic_tokens
 
 HF_LLAMA = "hf-llama"
@@ -70,12 +71,9 @@ def build_workload(name: str, batch: int, seq_len: int, seed: int, overrides: di
     return Workload(model, tuple(inputs), loss_fn)
 
 
-def transformer_blocks(model: nn.Module) -> nn.ModuleList:
-    """The repeated blocks (the first `layers` ModuleList): FSDP2 shards each one separately."""
-    for name, module in model.named_modules():
-        if name.rsplit(".", 1)[-1] == "layers" and isinstance(module, nn.ModuleList):
-            return module
-    raise ValueError(f"{type(model).__name__} has no `layers` ModuleList of blocks")
+def transformer_blocks(model: nn.Module) -> list[nn.Module]:
+    """The repeated blocks (graphshard's units, passes/units.py): FSDP2 shards each one separately."""
+    return repeated_blocks(model)
 
 
 def parse_model_args(text: str) -> tuple[tuple[str, object], ...]:

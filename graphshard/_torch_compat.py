@@ -92,11 +92,13 @@ def inductor_partition(joint: fx.GraphModule, joint_inputs, **kwargs):
     from torch._inductor import config as inductor_config
     from torch._inductor.compile_fx import partition_fn
 
-    rewritten = joint.meta.get("graphshard_joint_passes_run", False)
+    from graphshard.passes import meta_keys
+
+    rewritten = joint.meta.get(meta_keys.JOINT_PASSES_RUN, False)
     with inductor_config.patch(use_joint_graph_passes=inductor_config.use_joint_graph_passes
                                and not rewritten):
         forward, backward = partition_fn(joint, joint_inputs, **kwargs)
-    joint.meta["graphshard_joint_passes_run"] = True
+    joint.meta[meta_keys.JOINT_PASSES_RUN] = True
     return _lazy(forward), _lazy(backward)  # the partitioner makes eager graph modules
 
 
@@ -280,6 +282,47 @@ def fake_tensor_mode():
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     return FakeTensorMode(allow_non_fake_inputs=True)
+
+
+def tree_leaves(tree: Any) -> list:
+    """The leaves of nested tuples, lists and dicts (a workload's inputs), in torch's pytree
+    order. Public replacement: none (torch.utils._pytree; the optree package is the same)."""
+    from torch.utils._pytree import tree_leaves as leaves
+
+    return leaves(tree)
+
+
+def tree_map(fn: Callable, tree: Any) -> Any:
+    """`tree` with every leaf replaced by `fn(leaf)` (as `tree_leaves`)."""
+    from torch.utils._pytree import tree_map as map_leaves
+
+    return map_leaves(fn, tree)
+
+
+def tree_map_only(cls: type, fn: Callable, tree: Any) -> Any:
+    """`tree` with every leaf of type `cls` replaced by `fn(leaf)` (as `tree_leaves`)."""
+    from torch.utils._pytree import tree_map_only as map_only
+
+    return map_only(cls, fn, tree)
+
+
+def is_op_overload(target: Any) -> bool:
+    """Whether an FX node's target is one overload of an operator (aten.mm.default), which has
+    a schema and an overload packet, rather than a Python function. Public replacement: none
+    (the class is torch._ops.OpOverload)."""
+    return isinstance(target, torch._ops.OpOverload)
+
+
+def version_counter(tensor: torch.Tensor) -> int:
+    """How many in-place edits `tensor` (a fake one included) has seen. Public replacement:
+    none (Tensor._version)."""
+    return tensor._version
+
+
+def cache_key_salt(gm: fx.GraphModule) -> str | None:
+    """What `salt_aot_autograd_cache_key` (or Dynamo's own precompile packaging) set as `gm`'s
+    backend id, or None. Public replacement: none."""
+    return getattr(gm, "_backend_id", None)
 
 
 def sharded_like(param, local: torch.Tensor):

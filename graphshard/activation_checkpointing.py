@@ -23,6 +23,7 @@ import torch.nn as nn
 from torch.utils.checkpoint import checkpoint, create_selective_checkpoint_contexts
 
 from graphshard._transformers import transformers_names
+from graphshard.passes.units import repeated_blocks  # what a block is: one definition
 
 MODES = ("none", "full", "selective")
 # Selective: save what is expensive to recompute (matmul and attention outputs), recompute the
@@ -37,21 +38,6 @@ SAVED_OPS = (torch.ops.aten.mm.default, torch.ops.aten.addmm.default, torch.ops.
 def selective_context():
     """context_fn for torch.utils.checkpoint: save SAVED_OPS' outputs, recompute the rest."""
     return create_selective_checkpoint_contexts(list(SAVED_OPS))
-
-
-def repeated_blocks(model: nn.Module) -> nn.ModuleList:
-    """The model's repeated blocks: the largest ModuleList whose children share one class
-    (`layers` of Llama-style models, `h` of GPT-2, `layer` of BERT, ...)."""
-    best = None
-    for module in model.modules():
-        if isinstance(module, nn.ModuleList) and len(module) and len(
-                {type(child) for child in module}) == 1:
-            if best is None or len(module) > len(best):
-                best = module
-    if best is None:
-        raise ValueError(f"{type(model).__name__} has no nn.ModuleList of repeated blocks to "
-                         "checkpoint")
-    return best
 
 
 def _checkpointed(context_fn, forward, *args, **kwargs):

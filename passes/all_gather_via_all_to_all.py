@@ -27,8 +27,9 @@ from __future__ import annotations
 import torch
 import torch.fx as fx
 
+from graphshard.passes import meta_keys
 from graphshard.passes.context import PassContext
-from graphshard.passes.graph_utils import (ALL_GATHER, ALL_TO_ALL, OWN_CHUNK_LOCAL, WAIT, GraphEmitter, aten,
+from graphshard.passes.graph_utils import (ALL_GATHER, ALL_TO_ALL, WAIT, GraphEmitter, aten,
                                           call_nodes, fake_mode_of, finalize_graph, wait_of)
 
 SPLIT_COPY = torch.ops.graphshard.split_copy.default
@@ -40,8 +41,8 @@ def all_gather_via_all_to_all(gm: fx.GraphModule, ctx: PassContext | None = None
     for gather in call_nodes(gm, ALL_GATHER):
         shard, group_size, group_name = gather.args
         rows = shard.meta["val"].shape[0]
-        meta = {k: v for k, v in gather.meta.items() if k.startswith("graphshard_")}
-        meta["graphshard_lowered_from"] = "all_gather"
+        meta = {k: v for k, v in gather.meta.items() if k.startswith(meta_keys.PREFIX)}
+        meta[meta_keys.LOWERED_FROM] = "all_gather"
         emit = GraphEmitter(gm.graph, fake_mode, meta)
         rank = group_ranks.get(group_name)
         copy_out = _bucket_copy_out(gather)
@@ -57,7 +58,7 @@ def all_gather_via_all_to_all(gm: fx.GraphModule, ctx: PassContext | None = None
                 send = emit(aten.repeat.default, shard, [copies] + [1] * (shard.meta["val"].dim() - 1))
             exchanged = emit(ALL_TO_ALL, send, splits, splits, group_name)
         if own_local:
-            exchanged.meta[OWN_CHUNK_LOCAL] = True
+            exchanged.meta[meta_keys.OWN_CHUNK_LOCAL] = True
             _read_own_row_locally(gm, emit, wait_of(gather), exchanged, copy_out, send, rank, rows)
         gather.replace_all_uses_with(exchanged)
         gm.graph.erase_node(gather)

@@ -1,8 +1,9 @@
 """Bucket per-parameter collectives into one collective per unit (a repeated block).
 
 Units come from the graph itself: each collective names its parameters, and a parameter's unit
-is its repeated block (`layers.3.*` -> `layers.3`); consecutive collectives outside repeated
-blocks (embeddings before, norm and head after) form the leftover units. Within a unit,
+is its repeated block (`layers.3.*` -> `layers.3`: passes/units.py); consecutive collectives
+outside repeated blocks (embeddings before, norm and head after) share one bucket run, as
+FSDP2's root group holds them together: the leftover units. Within a unit,
 collectives of the same kind, process group and dtype become one collective on one flat buffer,
 packed in parameter registration order (FSDP2's copy-in / copy-out layout):
 
@@ -31,6 +32,7 @@ from typing import Mapping
 import torch
 import torch.fx as fx
 
+from graphshard.passes import meta_keys
 from graphshard.passes.context import PassContext
 from graphshard.passes.graph_utils import (
     ALL_GATHER,
@@ -49,10 +51,10 @@ from graphshard.passes.graph_utils import (
     node_order,
     finalize_graph,
     stable_topological_sort,
-    unit_of,
     unsharded_bytes,
     wait_of,
 )
+from graphshard.passes.units import block_of
 
 
 @dataclass
@@ -68,7 +70,7 @@ class Bucket:
 
 def _unit_label(node: fx.Node) -> str | None:
     params = collective_params(node)
-    return unit_of(params[0]) if params else None
+    return block_of(params[0]) if params else None
 
 
 def plan_buckets(gm: fx.GraphModule, cap_bytes: float,
@@ -121,9 +123,9 @@ def plan_buckets(gm: fx.GraphModule, cap_bytes: float,
 def _bucket_meta(bucket: Bucket) -> dict:
     first = bucket.members[0]
     meta = {key: first.meta[key] for key in ("nn_module_stack", "stack_trace") if key in first.meta}
-    meta["graphshard_params"] = tuple(p for m in bucket.members for p in collective_params(m))
-    meta["graphshard_role"] = first.meta.get("graphshard_role")
-    meta["graphshard_bucket"] = bucket.unit
+    meta[meta_keys.PARAMS] = tuple(p for m in bucket.members for p in collective_params(m))
+    meta[meta_keys.ROLE] = first.meta.get(meta_keys.ROLE)
+    meta[meta_keys.BUCKET] = bucket.unit
     return meta
 
 
@@ -209,7 +211,7 @@ def _rewrite_reduce(gm: fx.GraphModule, bucket: Bucket, fake_mode) -> None:
             flat = _split_source(inputs) or emit(
                 aten.cat.default, [emit(aten.reshape.default, x, [-1]) for x in inputs])
             reduced = emit(WAIT, emit(ALL_REDUCE, flat, "sum", group_name))
-            reduced.args[0].meta["graphshard_group_size"] = group_size
+            reduced.args[0].meta[meta_keys.GROUP_SIZE] = group_size
         outputs = _views_out(emit, reduced, members, numels)
     _replace_members(gm, members, outputs)
 

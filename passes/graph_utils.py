@@ -10,14 +10,16 @@ import heapq
 import operator
 from fractions import Fraction
 from dataclasses import dataclass
-from typing import Any, Callable, Iterable, Mapping
+from typing import Any, Callable, Iterable, Iterator, Mapping
 
 import torch
 import torch.fx as fx
 from torch.fx.experimental.symbolic_shapes import optimization_hint
 
+from graphshard.passes import meta_keys
 # Fake tensors are how a pass computes the shapes of the nodes it emits (private torch API).
-from graphshard._torch_compat import fake_mode_of_value, fake_tensor_mode, free_storage_op, real_tensors
+from graphshard._torch_compat import (fake_mode_of_value, fake_tensor_mode, free_storage_op,
+                                      is_op_overload, real_tensors, tree_map_only)
 
 aten = torch.ops.aten
 c10d = torch.ops._c10d_functional
@@ -47,13 +49,20 @@ def is_reduce_grad(node: fx.Node) -> bool:
     return _is_op(node, "reduce_grad")
 
 
+def all_nodes(gm: fx.GraphModule) -> Iterator[fx.Node]:
+    """Nodes of the graph and of its subgraphs (activation-checkpoint and other HOP bodies)."""
+    for module in gm.modules():
+        if isinstance(module, fx.GraphModule):
+            yield from module.graph.nodes
+
+
 def call_nodes(gm: fx.GraphModule, target) -> list[fx.Node]:
     return [n for n in gm.graph.nodes if n.op == "call_function" and n.target is target]
 
 
 def _transported(node: fx.Node) -> bool:
     """An all-to-all the transport stage made of one of our collectives (it keeps the kind)."""
-    return node.target is ALL_TO_ALL and node.meta.get("graphshard_lowered_from") in COLLECTIVES.values()
+    return node.target is ALL_TO_ALL and node.meta.get(meta_keys.LOWERED_FROM) in COLLECTIVES.values()
 
 
 def is_collective(node: fx.Node) -> bool:
@@ -63,14 +72,14 @@ def is_collective(node: fx.Node) -> bool:
 def collective_kind(node: fx.Node) -> str:
     """all_gather / reduce_scatter / all_reduce: what the collective does for us, whichever
     op carries it."""
-    return node.meta["graphshard_lowered_from"] if _transported(node) else COLLECTIVES[node.target]
+    return node.meta[meta_keys.LOWERED_FROM] if _transported(node) else COLLECTIVES[node.target]
 
 
 def is_view(node: fx.Node) -> bool:
     """Free ops: metadata-only views (an in-place op also aliases, but does real work)."""
     if node.target is operator.getitem or node.target is aten._unsafe_view.default:
         return True
-    return isinstance(node.target, torch._ops.OpOverload) and node.target.is_view
+    return is_op_overload(node.target) and node.target.is_view
 
 
 def is_wait(node: fx.Node) -> bool:
@@ -92,7 +101,7 @@ def collective_group(node: fx.Node) -> tuple[str, int]:
     if node.target is REDUCE_SCATTER:
         return node.args[3], node.args[2]
     if node.target is ALL_REDUCE:
-        return node.args[2], node.meta.get("graphshard_group_size", 0)
+        return node.args[2], node.meta.get(meta_keys.GROUP_SIZE, 0)
     if _transported(node):
         return node.args[3], len(node.args[1])
     raise ValueError(f"{node.name} is not a collective")
@@ -117,10 +126,6 @@ def node_bytes(node: fx.Node) -> int:
     return 0 if val is None else tensor_bytes(val)
 
 
-# meta of an exchange that leaves this rank's own chunk out (the transport stage sets it)
-OWN_CHUNK_LOCAL = "graphshard_own_chunk_local"
-
-
 def unsharded_bytes(collective: fx.Node) -> int:
     """Size of the full (unsharded) buffer a collective moves: AG output, RS/AR input."""
     if collective.target is ALL_GATHER:
@@ -133,7 +138,7 @@ def unsharded_bytes(collective: fx.Node) -> int:
 def exchange_share(exchange: fx.Node) -> Fraction:
     """The full buffer over what an exchange holds: N / (N - 1) where the rank's own chunk
     stays local, else 1."""
-    if not exchange.meta.get(OWN_CHUNK_LOCAL):
+    if not exchange.meta.get(meta_keys.OWN_CHUNK_LOCAL):
         return Fraction(1)
     group_size = len(exchange.args[1])
     return Fraction(group_size, group_size - 1)
@@ -184,7 +189,7 @@ class GraphEmitter:
         node = self.graph.call_function(op, args, kwargs)
         if self.meta:
             node.meta.update(self.meta)
-        fake_args, fake_kwargs = torch.utils._pytree.tree_map_only(
+        fake_args, fake_kwargs = tree_map_only(
             fx.Node, lambda n: n.meta["val"], (args, kwargs)
         )
         with real_tensors():
@@ -293,15 +298,5 @@ def depends_only_on_inputs(node: fx.Node) -> bool:
     return True
 
 
-def unit_of(param_name: str) -> str | None:
-    """The repeated block a parameter belongs to: its name up to the first numeric component
-    ("layers.3.attention.wq.weight" -> "layers.3"); None outside repeated blocks."""
-    parts = param_name.split(".")
-    for index, part in enumerate(parts[:-1]):
-        if part.isdigit():
-            return ".".join(parts[: index + 1])
-    return None
-
-
 def collective_params(node: fx.Node) -> tuple[str, ...]:
-    return tuple(node.meta.get("graphshard_params", ()))
+    return tuple(node.meta.get(meta_keys.PARAMS, ()))

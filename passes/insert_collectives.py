@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import torch.fx as fx
 
+from graphshard.passes import meta_keys
 from graphshard.passes.context import PassContext
 from graphshard.passes.graph_utils import GraphEmitter, fake_mode_of, finalize_graph, is_reduce_grad, is_unshard
 from graphshard.passes.lowering import lower_reduce_grad, lower_unshard
@@ -18,9 +19,9 @@ def insert_collectives(gm: fx.GraphModule, ctx: PassContext | None = None) -> fx
             continue
         spec = UnshardSpec.from_node(node) if is_unshard(node) else ReduceSpec.from_node(node)
         meta = {key: node.meta[key] for key in ("nn_module_stack", "stack_trace") if key in node.meta}
-        meta["graphshard_marker"] = node.name  # provenance: which marker produced this node
-        meta["graphshard_params"] = (spec.name,)  # bucketing concatenates these
-        meta["graphshard_role"] = "unshard" if is_unshard(node) else "reduce_grad"
+        meta[meta_keys.MARKER] = node.name  # provenance: which marker produced this node
+        meta[meta_keys.PARAMS] = (spec.name,)  # bucketing concatenates these
+        meta[meta_keys.ROLE] = "unshard" if is_unshard(node) else "reduce_grad"
         emit = GraphEmitter(gm.graph, fake_mode, meta)
         with gm.graph.inserting_before(node):
             lower = lower_unshard if is_unshard(node) else lower_reduce_grad

@@ -4,7 +4,7 @@
 `graphshard.reduce_grad(grad, ...)` -> [cast] -> scale -> [pad] -> reduce_scatter | all_reduce
                                        -> wait -> [all_reduce across replicas] -> [narrow] -> [cast]
 
-Run with an EagerEmitter it is the marker ops' eager implementation (graphshard/ops.py); run with
+Run with an EagerEmitter it is the marker ops' eager implementation (graphshard/compiler/ops.py); run with
 a GraphEmitter it is the insert_collectives pass. Everything emitted into a graph must be an op
 Inductor lowers after AOTAutograd's decomposition (a cast is prims.convert_element_type, not
 aten._to_copy, which Inductor only knows as a decomposition).
@@ -19,6 +19,7 @@ from __future__ import annotations
 import torch
 import torch.fx as fx
 
+from graphshard.passes import meta_keys
 from graphshard.passes.graph_utils import ALL_GATHER, ALL_REDUCE, REDUCE_SCATTER, WAIT, aten, dim0_chunk
 from graphshard.passes.markers import ReduceSpec, UnshardSpec
 
@@ -91,4 +92,4 @@ def lower_reduce_grad(emit, grad, spec: ReduceSpec):
 def _annotate_group_size(wait, group_size: int) -> None:
     # functional all_reduce does not carry its group size; cost model and dump need it.
     if isinstance(wait, fx.Node):
-        wait.args[0].meta["graphshard_group_size"] = group_size
+        wait.args[0].meta[meta_keys.GROUP_SIZE] = group_size

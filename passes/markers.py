@@ -2,7 +2,7 @@
 
 `graphshard::unshard(shard, *UnshardSpec.as_args())` marks a parameter read;
 `graphshard::reduce_grad(grad, *ReduceSpec.as_args())` marks where a gradient is reduced.
-The schemas in graphshard/ops.py list the same fields in the same order: a field added here is
+The schemas in graphshard/compiler/ops.py list the same fields in the same order: a field added here is
 added there, and nothing else reads a marker's arguments by position.
 """
 

@@ -18,10 +18,10 @@ from __future__ import annotations
 
 import torch.fx as fx
 
+from graphshard.passes import meta_keys
 from graphshard.passes.context import PassContext
 from graphshard.passes.graph_utils import (
     ALL_TO_ALL,
-    OWN_CHUNK_LOCAL,
     REDUCE_SCATTER,
     WAIT,
     GraphEmitter,
@@ -41,8 +41,8 @@ def reduce_scatter_via_all_to_all(gm: fx.GraphModule, ctx: PassContext | None = 
         if reduce_op != "sum":
             continue
         wait = wait_of(scatter)
-        meta = {k: v for k, v in scatter.meta.items() if k.startswith("graphshard_")}
-        meta["graphshard_lowered_from"] = "reduce_scatter"
+        meta = {k: v for k, v in scatter.meta.items() if k.startswith(meta_keys.PREFIX)}
+        meta[meta_keys.LOWERED_FROM] = "reduce_scatter"
         emit = GraphEmitter(gm.graph, fake_mode, meta)
         numel = source.meta["val"].numel()
         chunk = numel // group_size
@@ -57,7 +57,7 @@ def reduce_scatter_via_all_to_all(gm: fx.GraphModule, ctx: PassContext | None = 
                 send = emit(aten.slice.Tensor, flat, 0, *others)
             exchanged = emit(ALL_TO_ALL, send, splits, splits, group_name)
         if own_local:
-            exchanged.meta[OWN_CHUNK_LOCAL] = True
+            exchanged.meta[meta_keys.OWN_CHUNK_LOCAL] = True
         with gm.graph.inserting_before(wait):
             received = emit(WAIT, exchanged)
             rows = emit(aten.view.default, received, [group_size - 1 if own_local else group_size, chunk])

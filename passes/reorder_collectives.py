@@ -53,6 +53,7 @@ from typing import Callable, Mapping, Sequence
 
 import torch.fx as fx
 
+from graphshard.passes import meta_keys
 from graphshard.passes.graph_utils import (
     apply_order,
     collective_kind,
@@ -90,13 +91,13 @@ def _is_gather(node: fx.Node) -> bool:
 def _output_chain(wait: fx.Node) -> list[fx.Node]:
     """Nodes our passes emitted after a collective's wait (narrow, copy-out, casts): they move
     with the wait. Identified by sharing the collective's graphshard provenance."""
-    role = wait.meta.get("graphshard_role")
+    role = wait.meta.get(meta_keys.ROLE)
     chain, frontier = [], [wait]
     while frontier:
         node = frontier.pop()
         for user in node.users:
-            if (user.op == "call_function" and user.meta.get("graphshard_role") == role
-                    and user.meta.get("graphshard_params") == wait.meta.get("graphshard_params")
+            if (user.op == "call_function" and user.meta.get(meta_keys.ROLE) == role
+                    and user.meta.get(meta_keys.PARAMS) == wait.meta.get(meta_keys.PARAMS)
                     and not is_collective(user) and not is_wait(user) and user not in chain):
                 chain.append(user)
                 frontier.append(user)
@@ -176,7 +177,7 @@ def _shard_side(nodes: Sequence[fx.Node]) -> set[fx.Node]:
             frontier, step = list(wait_of(node).users), lambda n: list(n.users)
         while frontier:
             current = frontier.pop()
-            if "graphshard_role" in current.meta and current not in side:
+            if meta_keys.ROLE in current.meta and current not in side:
                 side.add(current)
                 frontier.extend(step(current))
     return side
@@ -218,7 +219,7 @@ def _compute_before(baseline: Sequence[fx.Node], policy: ReorderPolicy) -> list[
     with uneven shards, and every rank must reach the same schedule (collectives issued in a
     different order on different ranks hang)."""
     seconds = [policy.compute_seconds(n) if policy.compute_seconds and not is_collective(n)
-               and not is_wait(n) and "graphshard_role" not in n.meta else 0.0 for n in baseline]
+               and not is_wait(n) and meta_keys.ROLE not in n.meta else 0.0 for n in baseline]
     return [0.0, *itertools.accumulate(seconds)]
 
 
@@ -395,7 +396,7 @@ def _reduction_issue_slots(baseline: Sequence[fx.Node], delayed: Mapping[fx.Node
     between has released its buffers by then, so the reduction's are not allocated beside them.
     (One waited where it is issued gains nothing from moving.)"""
     working = [index for index, node in enumerate(baseline)
-               if node.op == "call_function" and "graphshard_role" not in node.meta
+               if node.op == "call_function" and meta_keys.ROLE not in node.meta
                and not is_collective(node) and not is_wait(node) and not is_view(node)]
     issue = {}
     for index, node in enumerate(baseline):

@@ -36,14 +36,10 @@ import torch.fx as fx
 from torch.utils.checkpoint import CheckpointPolicy
 
 from graphshard.passes.context import PassContext
-from graphshard.passes.graph_utils import is_reduce_grad, is_unshard, tensor_bytes, unit_of
+from graphshard.passes.graph_utils import is_reduce_grad, is_unshard, tensor_bytes
 from graphshard.passes.liveness import Buffers, live_bytes, saved_activations
 from graphshard.passes.markers import UnshardSpec
-
-
-def reshard_unit(param_name: str) -> str:
-    """The unit a parameter is kept or resharded with: its repeated block, else its module."""
-    return unit_of(param_name) or param_name.rpartition(".")[0]
+from graphshard.passes.units import block_of, unit_of
 
 
 def _backward_nodes(gm: fx.GraphModule) -> set[fx.Node]:
@@ -96,8 +92,8 @@ def last_forward_unit(gm: fx.GraphModule) -> frozenset[str]:
 def _last_unit(uses: Mapping[str, tuple[int, int]]) -> frozenset[str]:
     if not uses:
         return frozenset()
-    unit = reshard_unit(max(uses, key=lambda name: uses[name][1]))
-    return frozenset(name for name in uses if reshard_unit(name) == unit)
+    unit = unit_of(max(uses, key=lambda name: uses[name][1]))
+    return frozenset(name for name in uses if unit_of(name) == unit)
 
 
 def tail_of_forward(gm: fx.GraphModule) -> frozenset[str]:
@@ -108,13 +104,23 @@ def tail_of_forward(gm: fx.GraphModule) -> frozenset[str]:
 
 
 def _tail(uses: Mapping[str, tuple[int, int]]) -> frozenset[str]:
-    in_blocks = [name for name in uses if unit_of(name) is not None]
+    in_blocks = [name for name in uses if block_of(name) is not None]
     if not in_blocks:
         return frozenset()
-    last_block = unit_of(max(in_blocks, key=lambda name: uses[name][1]))
-    start = min(uses[name][0] for name in in_blocks if unit_of(name) == last_block)
-    units = {reshard_unit(name) for name, (_, last) in uses.items() if last >= start}
-    return frozenset(name for name in uses if reshard_unit(name) in units) - _last_unit(uses)
+    last_block = block_of(max(in_blocks, key=lambda name: uses[name][1]))
+    start = min(uses[name][0] for name in in_blocks if block_of(name) == last_block)
+    units = {unit_of(name) for name, (_, last) in uses.items() if last >= start}
+    return frozenset(name for name in uses if unit_of(name) in units) - _last_unit(uses)
+
+
+def kept_from_forward(forward: fx.GraphModule) -> frozenset[str]:
+    """Parameters whose gathered weights a partitioned forward (unshard markers, before
+    lowering) saves for backward: what the policy kept, where backward uses it."""
+    buffers = Buffers(forward)
+    output = next(iter(forward.graph.find_nodes(op="output")))
+    saved = {b for value in output.all_input_nodes for b in buffers.owned.get(value, ())}
+    return frozenset(UnshardSpec.from_node(node).name for node in forward.graph.nodes
+                     if is_unshard(node) and saved & set(buffers.owned[node]))
 
 
 def _read_spans(nodes: Sequence[fx.Node], buffers: Buffers, skip: fx.Node | None = None
@@ -159,7 +165,7 @@ def keeping_costs_peak_memory(forward: fx.GraphModule, backward: fx.GraphModule,
         mine = set(fw_buffers.owned[node])
         for saved, holds in saved_buffers.items():
             if mine & holds:
-                unit_of_saved[saved.name] = reshard_unit(UnshardSpec.from_node(node).name)
+                unit_of_saved[saved.name] = unit_of(UnshardSpec.from_node(node).name)
         last_read = max((fw_spans[b][1] for b in mine if b in fw_spans), default=index)
         if last_read + 1 < len(fw_nodes):
             fw_freed[last_read + 1] += fw_buffers.bytes_of([node])
@@ -221,7 +227,7 @@ def params_to_keep(gm: fx.GraphModule, option, keep_tail: bool = True) -> frozen
         elif isinstance(option, bool):
             kept = not option
         else:
-            choice = _pattern_choice(reshard_unit(spec.name), option)
+            choice = _pattern_choice(unit_of(spec.name), option)
             kept = default if choice is None else not choice
         if kept:
             keep.add(spec.name)
@@ -246,7 +252,7 @@ def unit_costs(joint: fx.GraphModule, regathered: Collection[str],
     for node in joint.graph.nodes:
         if is_unshard(node) and UnshardSpec.from_node(node).name in regathered:
             spec = UnshardSpec.from_node(node)
-            unit = reshard_unit(spec.name)
+            unit = unit_of(spec.name)
             nbytes[unit] = nbytes.get(unit, 0) + tensor_bytes(node.meta["val"])
             group_size[unit] = spec.gather_size
     # Last unit of forward first: ties in rank_units_to_keep go to the units backward gathers

@@ -42,7 +42,7 @@ def capture_step(model, inputs, loss_fn, *, strategy="full_shard", options=None,
     capture = GraphCapture(options)
     loss = loss_fn(capture.compile(model)(*inputs), *inputs)
     loss.backward()
-    torch._dynamo.reset()
+    torch.compiler.reset()
     return capture.graphs
 
 

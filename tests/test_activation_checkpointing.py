@@ -11,6 +11,7 @@ import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint, create_selective_checkpoint_contexts
 
 import graphshard
+from graphshard.passes import meta_keys
 from graphshard.tools.launch import run_local
 from graphshard.passes.graph_utils import ALL_GATHER, REDUCE_SCATTER
 from tests.capture import GraphCapture
@@ -75,7 +76,7 @@ def test_recomputed_region_gathers_again(fake_pg):
     block_params = {name for name, _ in model.named_parameters()
                     if name.startswith("blocks.") and name.endswith("weight")}
     last_block = {name for name in block_params if name.startswith("blocks.1.")}
-    gathered_in_backward = {n.meta["graphshard_params"][0]
+    gathered_in_backward = {n.meta[meta_keys.PARAMS][0]
                             for n in backward.graph.nodes if n.target is ALL_GATHER}
     assert block_params - last_block <= gathered_in_backward
     assert not last_block & gathered_in_backward

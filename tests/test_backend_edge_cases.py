@@ -14,6 +14,7 @@ import torch.nn as nn
 from torch.utils.checkpoint import checkpoint
 
 import graphshard
+from graphshard.passes import meta_keys
 from graphshard.tools.launch import run_local
 from graphshard.passes.graph_utils import (
     ALL_GATHER, ALL_REDUCE, REDUCE_SCATTER, collective_params, is_reduce_grad, is_unshard,
@@ -30,7 +31,7 @@ def gloo1():
     try:
         yield
     finally:
-        torch._dynamo.reset()
+        torch.compiler.reset()
         dist.destroy_process_group()
 
 
@@ -298,7 +299,7 @@ def test_inductor_frees_collective_buffers_after_the_wait_and_the_last_reader(gl
     gm = make_fx(step, tracing_mode="fake")(x, w)
     for node in gm.graph.nodes:
         if node.target is ALL_TO_ALL:  # as the transport stage marks the all-to-all it emits
-            node.meta["graphshard_lowered_from"] = "all_gather"
+            node.meta[meta_keys.LOWERED_FROM] = "all_gather"
     gm = free_collective_buffers(gm)
     compiled, (code,) = run_and_get_code(lambda: inductor_compile_graph(gm, [x, w], "inference"))
     lines = [line.strip() for line in code[code.index("def call"):].splitlines()]
@@ -333,7 +334,7 @@ def test_a_buffer_read_by_a_matmul_that_inductor_fuses_into_an_add_is_freed_afte
     gm = make_fx(step, tracing_mode="fake")(w, x, y, v)
     for node in gm.graph.nodes:
         if node.target is ALL_TO_ALL:
-            node.meta["graphshard_lowered_from"] = "all_gather"
+            node.meta[meta_keys.LOWERED_FROM] = "all_gather"
     gm = free_collective_buffers(gm)
     compiled, (code,) = run_and_get_code(
         lambda: inductor_compile_graph(gm, [w, x, y, v], "inference"))

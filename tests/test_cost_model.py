@@ -12,6 +12,7 @@ import torch
 import torch.distributed as dist
 from torch.fx.experimental.proxy_tensor import make_fx
 
+from graphshard.passes import meta_keys
 from graphshard.tools import calibrate as calibration
 from graphshard.compiler import cost_model as cm
 from graphshard.compiler.cost_model import ClusterSpec
@@ -327,7 +328,7 @@ def test_a_collective_holds_its_input_until_its_wait(fake_pg):
 
     gm = make_fx(f, tracing_mode="fake")(torch.randn(1024))
     (exchange,) = _nodes(gm, c10d.all_to_all_single.default)
-    exchange.meta["graphshard_lowered_from"] = "all_gather"  # as the transport stage marks it
+    exchange.meta[meta_keys.LOWERED_FROM] = "all_gather"  # as the transport stage marks it
     mem = memory_estimate(gm)
     assert mem.peak_transient_bytes == 3 * 4096 and mem.peak_node == "add"
 

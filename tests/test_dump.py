@@ -134,6 +134,11 @@ def test_file_target_without_loss_fn_json_is_consistent(capsys, tmp_path):
                   and c["op"] == "all_gather" for n in c["params"]}
     assert "inp.weight" not in regathered and "frozen.weight" in regathered
     assert "not re-gathered in backward" in notes and "inp.weight" in notes
+    # out.weight, of the last unit of forward, is kept gathered from forward for backward (the
+    # default reshard policy): the note says so, not that backward does not need its values
+    kept = next(n for n in report["comm"]["notes"] if "kept gathered from forward" in n)
+    unneeded = next(n for n in report["comm"]["notes"] if "not needed to compute" in n)
+    assert "out.weight" in kept and "out.weight" not in unneeded and "inp.weight" in unneeded
 
 
 def test_module_target_and_every_stage_printed(capsys):
@@ -328,3 +333,19 @@ def test_keyword_inputs_and_a_loss_computed_by_the_model(capsys, tmp_path):
             "--json", str(tmp_path / "plan.json")]
     assert planner.main(argv) == 0
     assert json.loads((tmp_path / "plan.json").read_text())["configs"][0]["fits"]
+
+
+def test_a_compile_failure_is_one_line_and_raises_with_its_traceback_on_request(capsys, monkeypatch):
+    target = f"{TINY}:fails_to_compile"
+    code, _, err = _main(capsys, target, "-n", "2", "-q")
+    assert code == dump.COMPILE_ERROR
+    lines = err.strip().splitlines()
+    assert len(lines) == 1 and f"compiling {target!r} failed: " in lines[0], err
+    assert "--traceback" in lines[0]
+    with pytest.raises(Exception) as raised:
+        dump.main([target, "-n", "2", "-q", "--traceback"])
+    assert not isinstance(raised.value, dump.DumpError)  # the compile's own error, as raised
+    assert not dist.is_initialized()
+    monkeypatch.setenv(dump.TRACEBACK_ENV, "1")  # the same, and for argument errors too
+    with pytest.raises(dump.DumpError, match="unknown stage"):
+        dump.main([target, "--stage", "x"])

@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from graphshard.passes import meta_keys
 from graphshard.tools.models import build_model
 from graphshard.passes.graph_utils import ALL_GATHER, ALL_REDUCE, REDUCE_SCATTER, WAIT, is_wait
 from tests.capture import call_nodes, capture_step
@@ -14,7 +15,7 @@ UNBUCKETED = {"bucket_mb": 0, "reorder": False}
 
 
 def _params(node) -> tuple[str, ...]:
-    return tuple(node.meta["graphshard_params"])
+    return tuple(node.meta[meta_keys.PARAMS])
 
 
 def _derived_from_gather(node, seen=None) -> bool:
@@ -43,7 +44,7 @@ def test_one_all_gather_per_parameter_use_and_one_reduce_scatter_per_trainable(f
         for user in node.users:
             assert is_wait(user)
             for use in user.users:
-                assert use.meta.get("graphshard_params", _params(node)) == _params(node)
+                assert use.meta.get(meta_keys.PARAMS, _params(node)) == _params(node)
 
     bwd = graphs[("backward", "lowered")]
     trainable_sharded = {n for n, p in model.named_parameters() if p.requires_grad and p.dim() > 0}

@@ -14,6 +14,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 
 import torch.distributed as dist
 
+from graphshard.passes import meta_keys
 from graphshard._torch_compat import init_fake_process_group
 from graphshard.tools.models import build_model
 from graphshard.compiler.options import GraphshardOptions
@@ -53,7 +54,7 @@ def gather_graph(world: int, params, use_order=None, backward=False, replicas=1,
     outputs = []
     for name in use_order or [p[0] for p in params]:
         shard, shape, dtype = shards[name]
-        emit = GraphEmitter(graph, mode, {"graphshard_params": (name,), "graphshard_role": "unshard"})
+        emit = GraphEmitter(graph, mode, {meta_keys.PARAMS: (name,), meta_keys.ROLE: "unshard"})
         groups = (("0",), (world,)) if replicas == 1 else (("0", "1"), (world, replicas))
         spec = UnshardSpec(shape[0], "0", world, None, True, *groups, True, None, name, 0, "fake", True)
         full = lower_unshard(emit, shard, spec)
@@ -61,7 +62,7 @@ def gather_graph(world: int, params, use_order=None, backward=False, replicas=1,
         out = compute(aten.mul.Tensor, full, 2.0)
         outputs.append(out)
         if backward:
-            emit = GraphEmitter(graph, mode, {"graphshard_params": (name,), "graphshard_role": "reduce_grad"})
+            emit = GraphEmitter(graph, mode, {meta_keys.PARAMS: (name,), meta_keys.ROLE: "reduce_grad"})
             reduce = spec.reduce_spec(shard.meta["val"].shape[0], dtype)
             outputs.append(lower_reduce_grad(emit, out, reduce))
     graph.output(tuple(outputs))
@@ -190,7 +191,7 @@ def test_a_buffer_whose_views_are_concatenated_back_is_never_freed():
 def _compute_nodes_between(gm, start, end):
     order = node_order(gm.graph)
     return [n for n in gm.graph.nodes if order[start] < order[n] < order[end]
-            and n.op == "call_function" and n.meta.get("graphshard_role") is None]
+            and n.op == "call_function" and n.meta.get(meta_keys.ROLE) is None]
 
 
 def test_prefetch_issues_next_gather_before_current_compute_and_budget_zero_disables_it():
@@ -287,7 +288,7 @@ def _inflight_peak(gm) -> int:
             current += node.meta["val"].numel() * node.meta["val"].element_size()
         elif is_wait(node) and node.args[0].target is ALL_GATHER:
             current -= node.meta["val"].numel() * node.meta["val"].element_size()
-        elif node.op == "call_function" and node.meta.get("graphshard_role") is None:
+        elif node.op == "call_function" and node.meta.get(meta_keys.ROLE) is None:
             peak = max(peak, current)
     return peak
 
@@ -319,14 +320,14 @@ def test_captured_transformer_has_one_collective_per_unit(fake_pg):
     units = 4 + 2  # four blocks, embeddings before, norm + head after
     fwd_gathers = call_nodes(fwd, ALL_GATHER)
     assert len(fwd_gathers) == units
-    assert [g.meta["graphshard_bucket"] for g in fwd_gathers][1:5] == [f"layers.{i}" for i in range(4)]
+    assert [g.meta[meta_keys.BUCKET] for g in fwd_gathers][1:5] == [f"layers.{i}" for i in range(4)]
     # backward: one gather per unit that needs weights (embeddings do not) and that forward did
     # not keep (the default keeps its tail: layers.3, norm + head), one RS per unit
-    assert [g.meta["graphshard_bucket"] for g in call_nodes(bwd, ALL_GATHER)] == \
+    assert [g.meta[meta_keys.BUCKET] for g in call_nodes(bwd, ALL_GATHER)] == \
         [f"layers.{i}" for i in (2, 1, 0)]
     scatters = call_nodes(bwd, REDUCE_SCATTER)
     assert len(scatters) == units
-    assert [s.meta["graphshard_bucket"] for s in scatters][1:5] == [f"layers.{i}" for i in (3, 2, 1, 0)]
+    assert [s.meta[meta_keys.BUCKET] for s in scatters][1:5] == [f"layers.{i}" for i in (3, 2, 1, 0)]
     # forward gathers cover every parameter once
     covered = sorted(p for g in fwd_gathers for p in collective_params(g))
     assert covered == sorted(shapes)
@@ -405,7 +406,7 @@ def test_backward_hands_the_comm_lane_over_and_never_holds_two_units_in_flight(f
         while frontier:
             node = frontier.pop()
             chain.append(node)
-            frontier += [u for u in node.users if "graphshard_role" in u.meta]
+            frontier += [u for u in node.users if meta_keys.ROLE in u.meta]
         return max(order[n] for n in chain)
 
     for previous, current in zip(gathers, gathers[1:]):
@@ -418,7 +419,7 @@ def test_backward_hands_the_comm_lane_over_and_never_holds_two_units_in_flight(f
     units = [c for c in gathers + scatters if _nbytes(c) > MB]  # the blocks' collectives
     last_gathered = max(order[wait_of(g)] for g in gathers)
     for node in bwd.graph.nodes:  # model compute (views do no work)
-        if node.op == "call_function" and node.meta.get("graphshard_role") is None \
+        if node.op == "call_function" and node.meta.get(meta_keys.ROLE) is None \
                 and not getattr(node.target, "is_view", False) and order[node] < last_gathered:
             assert sum(order[node] in in_flight(c) for c in units) <= 1, node
     handed_over = [s for s in scatters
@@ -523,7 +524,7 @@ def test_all_gather_via_all_to_all_sends_the_shard_to_every_rank_in_place_of_the
     assert copies.meta["val"].shape[0] == 4 * rows
     assert exchange.args[1] == exchange.args[2] == [rows] * 4
     assert tuple(exchange.meta["val"].shape) == gathered_shape
-    assert exchange.meta["graphshard_lowered_from"] == "all_gather"
+    assert exchange.meta[meta_keys.LOWERED_FROM] == "all_gather"
     assert [tuple(v.meta["val"].shape) for v in gm.graph.output_node().args[0]] == shapes
     order = node_order(gm.graph)
     # issued where the all-gather was; its wait and the copy-outs are untouched
@@ -648,39 +649,41 @@ def test_a_run_closes_when_another_unit_of_the_same_kind_intervenes_even_in_anot
 
 
 def test_a_stage_run_out_of_order_fails_loudly(monkeypatch):
-    from graphshard.compiler import backend
+    from graphshard.compiler import pipeline
+    from graphshard.compiler.cost_model import ClusterSpec
 
-    stages = {stage.name: stage for stage in backend.PIPELINE}
+    stages = {stage.name: stage for stage in pipeline.PIPELINE}
     swapped = tuple(stages[name] for name in
                     ("merged", "tagged", "partitioned", "lowered", "scheduled", "bucketed", "transport"))
-    monkeypatch.setattr(backend, "PIPELINE", swapped)
+    monkeypatch.setattr(pipeline, "PIPELINE", swapped)
     graph = gather_graph(8, [("layers.0.w", (16, 4), torch.float32)])
     with pytest.raises(RuntimeError, match="stage 'scheduled' needs \\['bucketed'\\]"):
-        backend.run_pipeline(graph, PassContext("forward", GraphshardOptions()))
+        pipeline.run_pipeline(graph, PassContext("forward", GraphshardOptions()))
     monkeypatch.undo()
-    ran = backend.run_pipeline(gather_graph(8, [("layers.0.w", (16, 4), torch.float32)]),
+    ran = pipeline.run_pipeline(gather_graph(8, [("layers.0.w", (16, 4), torch.float32)]),
                                PassContext("forward", GraphshardOptions(bucket_mb=0),
-                                           cluster=backend.ClusterSpec.default()))
-    assert ran.meta["graphshard_stages"] == tuple(s for s in backend.STAGES
-                                                   if s not in ("merged", "tagged"))
+                                           cluster=ClusterSpec.default()))
+    assert ran.meta[meta_keys.STAGES] == tuple(s for s in pipeline.STAGES
+                                                    if s not in ("merged", "tagged"))
 
 
 def test_a_pipeline_stopped_after_a_stage_resumes_where_it_stopped():
     """What the planner relies on to share the stages option sets have in common."""
-    from graphshard.compiler import backend
+    from graphshard.compiler import pipeline
+    from graphshard.compiler.cost_model import ClusterSpec
 
-    ctx = PassContext("forward", GraphshardOptions(), cluster=backend.ClusterSpec.default())
+    ctx = PassContext("forward", GraphshardOptions(), cluster=ClusterSpec.default())
     graph = gather_graph(8, [("layers.0.w", (16, 4), torch.float32)])
-    lowered = backend.run_pipeline(graph, ctx, stop_after="lowered")
-    assert lowered.meta["graphshard_stages"] == ("partitioned", "lowered")
-    bucketed = backend.run_pipeline(lowered, ctx, stop_after="bucketed", resume=True)
-    assert bucketed.meta["graphshard_stages"] == ("partitioned", "lowered", "bucketed")
-    assert backend.run_pipeline(bucketed, ctx, stop_after="lowered", resume=True) is bucketed
-    done = backend.run_pipeline(bucketed, ctx, resume=True)
-    assert done.meta["graphshard_stages"] == tuple(s for s in backend.STAGES
-                                                   if s not in ("merged", "tagged"))
+    lowered = pipeline.run_pipeline(graph, ctx, stop_after="lowered")
+    assert lowered.meta[meta_keys.STAGES] == ("partitioned", "lowered")
+    bucketed = pipeline.run_pipeline(lowered, ctx, stop_after="bucketed", resume=True)
+    assert bucketed.meta[meta_keys.STAGES] == ("partitioned", "lowered", "bucketed")
+    assert pipeline.run_pipeline(bucketed, ctx, stop_after="lowered", resume=True) is bucketed
+    done = pipeline.run_pipeline(bucketed, ctx, resume=True)
+    assert done.meta[meta_keys.STAGES] == tuple(s for s in pipeline.STAGES
+                                                    if s not in ("merged", "tagged"))
     with pytest.raises(ValueError, match="'tagged' is not a stage of the forward graph"):
-        backend.run_pipeline(graph, ctx, stop_after="tagged")
+        pipeline.run_pipeline(graph, ctx, stop_after="tagged")
 
 
 @pytest.mark.parametrize("fake_pg", [2], indirect=True)
@@ -722,7 +725,7 @@ def test_a_backward_prefetch_is_issued_where_memory_is_low_and_compute_still_cov
     for gather, twin in zip(gathers(late), gathers(anchored), strict=True):
         between = nodes[order[gather] + 1:order[wait_of(gather)]]
         covered = sum(node_cost(n, cluster).seconds for n in between
-                      if n.op == "call_function" and "graphshard_role" not in n.meta
+                      if n.op == "call_function" and meta_keys.ROLE not in n.meta
                       and not is_collective(n) and not is_wait(n))
         # fewer nodes between issue and wait than from the anchor: issued later, and still
         # covered (the margin is chosen before the hand-over, which may move it later still)
@@ -838,7 +841,7 @@ def test_a_send_buffer_outlives_every_reader_of_the_parts_concatenated_into_it(f
     for late in (True, False):
         gm = make_fx(lambda x: step(x, late), tracing_mode="fake")(torch.randn(8, 4))
         for node in call_nodes(gm, ALL_TO_ALL):  # as the transport stage marks what it emits
-            node.meta["graphshard_lowered_from"] = "all_gather"
+            node.meta[meta_keys.LOWERED_FROM] = "all_gather"
         gm = free_collective_buffers(gm)
         order = node_order(gm.graph)
         (cat,) = call_nodes(gm, aten.cat.default)

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from graphshard.compiler.options import GraphshardOptions
-from graphshard.passes.reshard_policy import reshard_unit
+from graphshard.passes.units import unit_of
 from graphshard.tools import dump
 from graphshard.tools.launch import run_local
 from tests.workers import Training, gpt_data, reference, train
@@ -37,7 +37,7 @@ def _regathered(report: dict) -> set[str]:
     """Units (repeated blocks, else modules) whose parameters backward gathers again."""
     names = {p for c in report["collectives"] if c["graph"] == "backward" and c["op"] == "all_gather"
              for p in c["params"]}
-    return {reshard_unit(name) for name in names}
+    return {unit_of(name) for name in names}
 
 
 @pytest.fixture(scope="module")

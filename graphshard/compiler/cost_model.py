@@ -22,6 +22,8 @@ import torch.fx as fx
 from torch.fx.experimental.symbolic_shapes import optimization_hint
 from torch.utils.flop_counter import flop_registry
 
+from graphshard._torch_compat import is_op_overload, process_group_size
+from graphshard.passes import meta_keys
 from graphshard.passes.graph_utils import (COLLECTIVES, FREE_STORAGE, collective_group, collective_kind,
                                           exchange_share, is_collective, is_view, is_wait)
 
@@ -278,7 +280,7 @@ def node_cost(node: fx.Node, spec: ClusterSpec, *, symbolic: bool = False) -> No
     backwards); every other op is memory-bound: bytes = inputs + output.
     """
     if (node.op != "call_function" or is_collective(node) or is_wait(node) or is_view(node)
-            or node.target is FREE_STORAGE or not isinstance(node.target, torch._ops.OpOverload)):
+            or node.target is FREE_STORAGE or not is_op_overload(node.target)):
         return ZERO_COST
     zero = sympy.Integer(0) if symbolic else 0
     flops = zero
@@ -317,12 +319,11 @@ def _group_size(node: fx.Node, world_size: GroupSizes) -> Any:
         return size
     # all_reduce carries no group size: ask the live process group (e.g. a fake one) for it.
     try:
-        from graphshard._torch_compat import process_group_size
         return process_group_size(name)
-    except Exception:
+    except RuntimeError as e:  # no live process group of that name
         raise ValueError(f"cannot tell the group size of {node.name} (group {name!r} is not a "
-                         "live process group and the node has no 'graphshard_group_size' meta); "
-                         "pass world_size=") from None
+                         f"live process group and the node has no {meta_keys.GROUP_SIZE!r} meta); "
+                         "pass world_size=") from e
 
 
 def collective_node_cost(node: fx.Node, spec: ClusterSpec, world_size: GroupSizes = None, *,

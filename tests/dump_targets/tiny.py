@@ -66,3 +66,15 @@ def make_tied(batch: int = 2):
     from tests.zoo import TinyGPT, gpt_batch
 
     return TinyGPT(), (gpt_batch(batch),), lambda out, tokens: out.float().square().mean()
+
+
+class ReadsParametersDirectly(Tiny):
+    """Adds a term read through parameters(), which after sharding hold DTensor shards:
+    compiling it fails."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return super().forward(x) + sum(p.sum() for p in self.out.parameters())
+
+
+def fails_to_compile():
+    return ReadsParametersDirectly(), (torch.randn(2, 8),)

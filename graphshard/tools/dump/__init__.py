@@ -13,19 +13,21 @@ transformer-large, llama, llama3-8b), or `package.module:factory`, or `path/to/f
 A factory returns `(model, example_inputs)` or `(model, example_inputs, loss_fn)`, where
 example_inputs is a tuple, one tensor, or a dict of keyword inputs; `--batch`,
 `--seq` and `--model-args` become its keyword arguments (built-ins: batch=1, seq_len=128 unless
-given). `--stage` prints the FX graphs of a stage of `backend.STAGES` (merged: the Dynamo graph;
-tagged: the joint graph; partitioned, lowered, bucketed, scheduled, transport: the forward and
-backward graphs), or of `all`; default `none`: the summary only. Dtypes are
+given). `--stage` prints the FX graphs of a stage of `pipeline.STAGES` (merged: the Dynamo graph;
+tagged: the joint graph; partitioned, lowered, bucketed, scheduled, transport, freed: the
+forward and backward graphs), or of `all`; default `none`: the summary only. Dtypes are
 spelled either way (bf16 or bfloat16, fp16 or float16, fp32 or float32). Progress of the long
 phases (capture, passes, estimate) goes to stderr, unless `--quiet`. Bad input exits with status
-2 and one line on stderr; a model that fails to compile, with status 1.
+2 and one line on stderr; a model that fails to compile, with status 1. `--traceback` (or
+GRAPHSHARD_TRACEBACK=1 in the environment, which covers argument errors too) raises the error
+instead, with its traceback.
 
 How it works. One process, a fake process group of world size N, and rank 0's view of it. The
 factory runs under `torch.device("meta")` (unless `--no-meta`), so nothing is allocated; every
 parameter, buffer and input then becomes a FakeTensor on the CPU, the model is sharded with
 `graphshard.shard`, and the step is compiled by the very backend `torch.compile(model,
 backend="graphshard")` uses (`GraphshardCompiler`, options as given) with an observer that
-records every stage of `backend.PIPELINE`. Inductor itself is not run: it consumes the final
+records every stage of `pipeline.PIPELINE`. Inductor itself is not run: it consumes the final
 stage's graph unchanged. The backward graph is compiled eagerly together with the forward, and
 the capture stops once it has been recorded, so no graph is ever executed: a Llama-3-8B-shaped
 model dumps at world size 64 without its 32 GB of weights. (The loss runs outside the compiled
@@ -63,13 +65,13 @@ its text), `cli`.
 from graphshard.tools.dump.analysis import (DumpResult, ParamInfo, collective_records,
                                             comm_summary, dump, memory_summary, param_infos)
 from graphshard.tools.dump.capture import Capture, capture
-from graphshard.tools.dump.cli import COMPILE_ERROR, USAGE_ERROR, main, run
+from graphshard.tools.dump.cli import COMPILE_ERROR, TRACEBACK_ENV, USAGE_ERROR, main, run
 from graphshard.tools.dump.loading import DumpError, Workload, load_workload
 from graphshard.tools.dump.report import DumpReport, format_report, human_bytes
 
 _human = human_bytes  # the name the tests use
 
-__all__ = ["COMPILE_ERROR", "USAGE_ERROR", "Capture", "DumpError", "DumpReport", "DumpResult",
+__all__ = ["COMPILE_ERROR", "TRACEBACK_ENV", "USAGE_ERROR", "Capture", "DumpError", "DumpReport", "DumpResult",
            "ParamInfo", "Workload", "capture", "collective_records", "comm_summary", "dump",
            "format_report", "human_bytes", "load_workload", "main", "memory_summary",
            "param_infos", "run"]

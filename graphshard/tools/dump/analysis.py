@@ -7,6 +7,7 @@ import time
 from dataclasses import dataclass
 from typing import Any, Callable, Sequence
 
+from graphshard.passes import meta_keys
 from graphshard.tools.dump.capture import capture
 from graphshard.tools.dump.loading import DumpError, Workload, sharded_on_fake_cluster
 from graphshard.tools.dump.report import (KINDS, CollectiveRecord, CommKind, CommSummary,
@@ -98,7 +99,7 @@ def collective_records(kind: str, gm, estimate, infos: dict[str, ParamInfo],
         buffer = tensor_val(node if op == "all_gather" else node.args[0])
         buffer_bytes = int(buffer.numel()) * buffer.element_size() if buffer is not None else 0
         dtype = buffer.dtype if buffer is not None else None
-        names = list(node.meta.get("graphshard_params", ()))
+        names = list(node.meta.get(meta_keys.PARAMS, ()))
         group_name, _ = collective_group(node)
         known = [infos[n] for n in names if n in infos]
         replica_reduce = op == "all_reduce" and known and group_name != known[0].shard_group
@@ -137,8 +138,10 @@ def collective_records(kind: str, gm, estimate, infos: dict[str, ParamInfo],
 
 
 def comm_summary(records: list[CollectiveRecord], infos: dict[str, ParamInfo], strategy: str,
-                 world_size: int, shard_size: int, has_backward: bool = True) -> CommSummary:
-    """Measured bytes per kind beside theoretical_comm_bytes, with reasons for differences."""
+                 world_size: int, shard_size: int, has_backward: bool = True,
+                 kept_from_forward: frozenset[str] = frozenset()) -> CommSummary:
+    """Measured bytes per kind beside theoretical_comm_bytes, with reasons for differences
+    (`kept_from_forward`: the parameters whose gathered weights forward saves for backward)."""
     import sympy
 
     from graphshard.tools.theory import theoretical_comm_bytes
@@ -168,11 +171,13 @@ def comm_summary(records: list[CollectiveRecord], infos: dict[str, ParamInfo], s
     symbols = {"P": gather_bytes, "T": trainable_bytes, "N": world_size,
                **({"S": shard_size} if extra else {})}
     return CommSummary(**by_kind, symbols=symbols,
-                       notes=difference_notes(records, infos, strategy, shard_size, has_backward))
+                       notes=difference_notes(records, infos, strategy, shard_size, has_backward,
+                                             kept_from_forward))
 
 
 def difference_notes(records: list[CollectiveRecord], infos: dict[str, ParamInfo],
-                     strategy: str, shard_size: int, has_backward: bool) -> list[str]:
+                     strategy: str, shard_size: int, has_backward: bool,
+                     kept_from_forward: frozenset[str] = frozenset()) -> list[str]:
     """Why the measured bytes differ from theory, named parameter by parameter."""
     if shard_size == 1 and strategy != "no_shard" or not records:
         return ["nothing to communicate (one rank per shard group)"] if not records else []
@@ -201,9 +206,13 @@ def difference_notes(records: list[CollectiveRecord], infos: dict[str, ParamInfo
             notes.append(f"never gathered in forward (not used by the forward): {listing(unused)}")
         if strategy in ("full_shard", "hybrid_shard") and has_backward:
             not_regathered = (sharded - unused) - gathered("backward")
-            if not_regathered:
+            kept = not_regathered & kept_from_forward
+            if kept:
+                notes.append("not re-gathered in backward (kept gathered from forward for "
+                             f"backward, by reshard_after_forward): {listing(kept)}")
+            if not_regathered - kept:
                 notes.append("not re-gathered in backward (their values are not needed to "
-                             f"compute any gradient): {listing(not_regathered)}")
+                             f"compute any gradient): {listing(not_regathered - kept)}")
     padding = sum(r.buffer_bytes - r.bytes for r in records if r.op != "all_reduce")
     if padding:
         notes.append(f"padding of uneven shards adds {human_bytes(padding)} of buffers "
@@ -291,10 +300,10 @@ def dump(workload: Workload, *, world_size: int, strategy: str = "full_shard", o
     """Shard and compile `workload` at `world_size` on a fake process group (one must not be
     initialised already) and describe the result. `stages`: stage names whose code to keep;
     `progress`: told what the long phases are doing (the CLI prints it to stderr)."""
-    import torch
     import torch.distributed as dist
 
-    from graphshard.compiler.backend import PIPELINE, STAGES
+    from graphshard._torch_compat import tree_leaves
+    from graphshard.compiler.pipeline import PIPELINE, STAGES
     from graphshard.compiler.cost_model import ClusterSpec, value_bytes
     from graphshard.compiler.options import GraphshardOptions
     from graphshard.compiler.simulator import chrome_trace, graph_estimate
@@ -330,10 +339,10 @@ def dump(workload: Workload, *, world_size: int, strategy: str = "full_shard", o
                    for r in collective_records(kind, cap.final[kind], estimates[kind], infos,
                                                cluster)]
 
-    input_bytes = int(value_bytes(list(torch.utils._pytree.tree_leaves(workload.inputs))))
+    input_bytes = int(value_bytes(tree_leaves(workload.inputs)))
     fw, bw = estimates["forward"], estimates.get("backward")
     comm = comm_summary(records, infos, strategy, world_size, shard_size or world_size,
-                        has_backward=bw is not None)
+                        has_backward=bw is not None, kept_from_forward=cap.kept_from_forward)
     memory = memory_summary(fw, bw, cap.final["forward"], cap.final.get("backward"), infos,
                             input_bytes)
     report = DumpReport(

@@ -18,6 +18,8 @@ class Capture:
     texts: dict[tuple[str, str], str] = field(default_factory=dict)  # (graph, stage) -> code
     final: dict[str, Any] = field(default_factory=dict)  # graph -> final-stage GraphModule
     seconds: dict[str, float] = field(default_factory=dict)  # "graph/stage" -> time it took
+    # parameters whose gathered weights forward saves for backward (the reshard policy kept)
+    kept_from_forward: frozenset[str] = frozenset()
 
 
 def _readable(gm) -> str:
@@ -33,7 +35,9 @@ def capture(workload, options, stages: Sequence[str],
     import torch
 
     from graphshard._torch_compat import backward_compiled_with_forward
-    from graphshard.compiler.backend import STAGES, GraphshardCompiler
+    from graphshard.compiler.backend import GraphshardCompiler
+    from graphshard.compiler.pipeline import STAGES
+    from graphshard.passes.reshard_policy import kept_from_forward
 
     result = Capture()
     final = STAGES[-1]
@@ -50,6 +54,8 @@ def capture(workload, options, stages: Sequence[str],
             passes = sum(v for k, v in result.seconds.items()
                          if k.startswith(f"{kind}/")) - captured
             progress(f"{kind} graph captured in {captured:.1f} s, passes run in {passes:.1f} s")
+        if kind == "forward" and stage == "partitioned":  # markers still show what is kept
+            result.kept_from_forward = kept_from_forward(gm)
         # Later stages mutate the graph in place: take the text now.
         if stage in stages or stage == final:
             result.texts[(kind, stage)] = _readable(gm)
@@ -79,10 +85,12 @@ def capture(workload, options, stages: Sequence[str],
 
 def _needs_backward(model, inputs) -> bool:
     import torch
+
+    from graphshard._torch_compat import tree_leaves
     return torch.is_grad_enabled() and (
         any(p.requires_grad for p in model.parameters())
         or any(isinstance(t, torch.Tensor) and t.requires_grad
-               for t in torch.utils._pytree.tree_leaves(inputs)))
+               for t in tree_leaves(inputs)))
 
 
 def caused_by(e: BaseException | None, kind: type) -> bool:

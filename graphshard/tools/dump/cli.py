@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import ast
 import json
+import os
 import sys
 import time
 from typing import Any, Callable, Sequence
@@ -15,6 +16,7 @@ from graphshard.tools.dump.report import format_report
 
 USAGE_ERROR = 2  # bad input: one line on stderr
 COMPILE_ERROR = 1  # the model itself failed to compile
+TRACEBACK_ENV = "GRAPHSHARD_TRACEBACK"  # =1: an error raises with its traceback, as --traceback
 
 
 class _Parser(argparse.ArgumentParser):
@@ -37,14 +39,16 @@ def _model_args(items: Sequence[str]) -> dict[str, Any]:
 
 
 def _parser() -> argparse.ArgumentParser:
-    from graphshard.compiler.backend import STAGES
+    from graphshard.compiler.pipeline import STAGES
     from graphshard.tools.cli import parse_dtype
 
     p = _Parser(prog="graphshard dump",
                 description="Show what the graphshard compiler does to a model at any world "
                             "size: graphs per stage, every collective, bytes against theory, "
                             "and cost-model estimates. One process, fake process group, no "
-                            "weights allocated. JSON schema: graphshard/tools/dump/report.py.")
+                            "weights allocated. JSON schema: graphshard/tools/dump/report.py. "
+                            "An error prints one line; --traceback (or the environment "
+                            f"variable {TRACEBACK_ENV}=1) raises it with its traceback instead.")
     p.add_argument("target", help="built-in model (transformer, transformer-large, llama, "
                                   "llama3-8b), package.module:factory or path/file.py:factory")
     p.add_argument("--world-size", "-n", type=int, default=8, help="ranks to simulate (default 8)")
@@ -77,6 +81,9 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--trace", metavar="FILE", help="write a Chrome trace of the simulated step")
     p.add_argument("--quiet", "-q", action="store_true",
                    help="no progress messages on stderr")
+    p.add_argument("--traceback", action="store_true",
+                   help="on an error, raise it with its full traceback instead of printing one "
+                        f"line (also: {TRACEBACK_ENV}=1, which covers argument errors too)")
     return p
 
 
@@ -93,8 +100,10 @@ def _progress_printer(quiet: bool) -> Callable[[str], None]:
 
 
 def run(argv: Sequence[str]) -> int:
-    from graphshard.compiler.backend import STAGES
+    """The dump `argv` asks for: its exit status; bad input raises DumpError, and a compile
+    failure too under --traceback."""
     from graphshard.compiler.options import parse_option_strings
+    from graphshard.compiler.pipeline import STAGES
     from graphshard.policy import ShardingStrategy
 
     args = _parser().parse_args(list(argv))
@@ -132,7 +141,10 @@ def run(argv: Sequence[str]) -> int:
     except DumpError:
         raise
     except Exception as e:
-        print(f"graphshard dump: compiling {args.target!r} failed: {one_line(e)}", file=sys.stderr)
+        if args.traceback or _wants_traceback():
+            raise
+        print(f"graphshard dump: compiling {args.target!r} failed: {one_line(e)} (--traceback "
+              "shows where)", file=sys.stderr)
         return COMPILE_ERROR
     print(format_report(result.report, result.texts, stages))
     if args.json:
@@ -146,10 +158,18 @@ def run(argv: Sequence[str]) -> int:
     return 0
 
 
+def _wants_traceback() -> bool:
+    return os.environ.get(TRACEBACK_ENV, "") not in ("", "0")
+
+
 def main(argv: Sequence[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
     try:
-        return run(sys.argv[1:] if argv is None else argv)
+        return run(argv)
     except DumpError as e:
+        # (the flag itself, even where the arguments around it are what is wrong)
+        if _wants_traceback() or "--traceback" in argv:
+            raise
         print(f"graphshard dump: {e}", file=sys.stderr)
         return USAGE_ERROR
     except SystemExit as e:  # --help

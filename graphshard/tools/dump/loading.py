@@ -158,6 +158,8 @@ def to_fake_tensors(workload: Workload, fake_mode, device: str = "cpu") -> None:
     """
     import torch
 
+    from graphshard._torch_compat import tree_map
+
     # to_empty gives each module a new Parameter: tied weights would come back untied (two
     # gathers, two reductions, counted twice). Re-tie them afterwards.
     owners: dict[int, list[tuple[object, str]]] = {}
@@ -180,7 +182,7 @@ def to_fake_tensors(workload: Workload, fake_mode, device: str = "cpu") -> None:
                 return torch.empty_like(t, device=device).requires_grad_(t.requires_grad)
             return fake_mode.from_tensor(t)
 
-        workload.inputs = torch.utils._pytree.tree_map(fake, workload.inputs)
+        workload.inputs = tree_map(fake, workload.inputs)
 
 
 @contextlib.contextmanager

@@ -1,0 +1,55 @@
+"""When AOTAutograd may serve a compile from its cache, and what its key must cover."""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+from pathlib import Path
+
+import torch.fx as fx
+
+import graphshard as graphshard_package
+import graphshard.passes as passes_package
+from graphshard import _torch_compat as compat
+from graphshard.compiler.cost_model import ClusterSpec
+from graphshard.compiler.dynamo_graph import SplitContext
+from graphshard.compiler.options import GraphshardOptions
+
+
+def reuses_cache(options: GraphshardOptions, *, aot_cache: bool, observed: bool) -> bool:
+    """Whether AOTAutograd may serve this compile from its cache (a job restarting on
+    unchanged code skips tracing, partitioning and our passes, as plain torch.compile does).
+    Not where the graphs themselves are wanted: by an observer (`graphshard dump`) or for
+    `predicted_peak_bytes` (the bench: aot_cache=False); not for "eager", which produces
+    nothing Inductor can store; not for "auto", which agrees on its choice with the other
+    ranks during the compile (a rank served from the cache would never join that
+    collective)."""
+    return (aot_cache and not observed and options.compiler == "inductor"
+            and options.reshard_after_forward != "auto")
+
+
+def salt_cache_key(gm: fx.GraphModule, options: GraphshardOptions, cluster: ClusterSpec,
+                   split: SplitContext) -> bool:
+    """Make what the compiled graphs depend on beyond the Dynamo graph part of AOTAutograd's
+    cache key for `gm`: our options, the cluster the cost model schedules for, graphshard's
+    code, and the ranks the transport's graphs are specific to (ranks sharing a cache
+    directory must not load each other's). False, and nothing changed, where Dynamo itself
+    keyed the graph (precompile packaging): that key is not ours to replace."""
+    if compat.cache_key_salt(gm) is not None:
+        return False
+    ranks = sorted(split.group_ranks.items())
+    compat.salt_aot_autograd_cache_key(gm, "graphshard-" + hashlib.sha256(
+        repr((options, cluster, _source_digest(), ranks)).encode()).hexdigest()[:32])
+    return True
+
+
+@functools.cache
+def _source_digest() -> str:
+    """Digest of graphshard's Python sources (the package and its passes): a changed pass must
+    not be served a graph compiled by the old one from AOTAutograd's cache."""
+    digest = hashlib.sha256()
+    for package in (graphshard_package, passes_package):
+        root = Path(package.__file__).parent
+        for path in sorted(root.rglob("*.py")):
+            digest.update(str(path.relative_to(root)).encode() + path.read_bytes())
+    return digest.hexdigest()
