@@ -363,36 +363,6 @@ def written_arguments(func, args: tuple, kwargs: dict) -> list:
 # internals.
 
 
-def tree_leaves(tree) -> list:
-    """The leaves of a nest of tuples, lists and dicts (an ATen call's arguments). Public
-    replacement: none in torch (torch.utils._pytree; the optree package outside it)."""
-    from torch.utils._pytree import tree_leaves as leaves
-
-    return leaves(tree)
-
-
-def tree_map(fn: Callable, tree):
-    """`tree` with `fn` applied to every leaf (forward inputs cast to the compute dtype).
-    Public replacement: none in torch (torch.utils._pytree)."""
-    from torch.utils._pytree import tree_map as map_
-
-    return map_(fn, tree)
-
-
-def tree_map_only(kind: type, fn: Callable, tree):
-    """`tree` with `fn` applied to the leaves of type `kind` (GatheredWeight's dispatch).
-    Public replacement: none in torch (torch.utils._pytree)."""
-    from torch.utils._pytree import tree_map_only as map_only
-
-    return map_only(kind, fn, tree)
-
-
-def version_counter(tensor: torch.Tensor) -> int:
-    """The count of in-place writes to `tensor` (a gathered weight refuses to write back an edit
-    made before its parameter last changed). Public replacement: none (Tensor._version)."""
-    return tensor._version
-
-
 def is_norm_with_running_stats(module: torch.nn.Module) -> bool:
     """A BatchNorm or InstanceNorm layer, their lazy and sync variants and subclasses of their
     common base (which keeps the parameters beside fp32 running statistics). Public replacement:
