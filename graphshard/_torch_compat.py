@@ -312,3 +312,14 @@ def written_arguments(func, args: tuple, kwargs: dict) -> list:
         if argument.alias_info is not None and argument.alias_info.is_write:
             written.append(value)
     return written
+
+
+# --- Ranks agreeing on one collective schedule (graphshard/compiler/schedule_check.py) ---
+
+def default_store():
+    """The default process group's key-value store: ranks compare their compiled schedules
+    through it, without a collective (a rank recompiling alone must not wait for the others).
+    Public replacement: none (torch.distributed exposes no accessor for the default store)."""
+    from torch.distributed.distributed_c10d import _get_default_store
+
+    return _get_default_store()

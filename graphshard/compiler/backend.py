@@ -34,6 +34,8 @@ from graphshard.compiler import ops  # noqa: F401  (registers torch.ops.graphsha
 from graphshard.compiler.cost_model import (ClusterSpec, collective_node_cost, collective_time,
                                             node_cost)
 from graphshard.compiler.options import GraphshardOptions
+from graphshard.compiler.rank_agreement import decision_key, first_decision
+from graphshard.compiler.schedule_check import check_schedule
 from graphshard.passes.context import PassContext
 from graphshard.passes.graph_utils import is_reduce_grad, is_unshard, tensor_bytes
 from graphshard.passes.liveness import MemoryEstimate, graph_memory, saved_activations, step_memory
@@ -374,7 +376,9 @@ class GraphshardCompiler:
             # partition shows that costs no peak memory; else partitioned again without it.
             option = self.options.reshard_after_forward
             tail = params_to_keep(joint, option) - params_to_keep(joint, option, keep_tail=False)
-            if tail and self._keeping_costs_peak_memory(joint, forward, backward, tail):
+            # decided on the local batch: the first rank to decide decides for all
+            if tail and first_decision(decision_key(joint, tail, option), lambda: (
+                    self._keeping_costs_peak_memory(joint, forward, backward, tail))):
                 joint = run_pipeline(joint, replace(ctx, keep_tail=False), self.observer)
                 forward, backward = compat.inductor_partition(joint, joint_inputs, **kwargs)
         return forward, backward
@@ -456,6 +460,8 @@ class GraphshardCompiler:
             ctx = self._context(graph_kind, split)
             gm = run_pipeline(gm, ctx, self.observer)
             self.graph_memory[graph_kind] = graph_memory(gm, graph_kind)
+            if self.options.check_schedule:
+                check_schedule(gm, graph_kind)
             if self.options.compiler == "eager":
                 return compat.boxed(gm.forward)
             # Inductor mutates the graph it compiles; observers already hold their copies.
