@@ -388,3 +388,14 @@ def rnn_weight_cache_overrides(read_weights: Callable) -> dict[str, Any]:
     forward's check: `_init_flat_weights`, `_update_flat_weights`). Public replacement: none."""
     return {"_flat_weights": property(read_weights, lambda self, value: None),
             "_init_flat_weights": _no_weight_cache, "_update_flat_weights": _no_weight_cache}
+
+
+# --- Ranks agreeing on one collective schedule (graphshard/compiler/schedule_check.py) ---
+
+def default_store():
+    """The default process group's key-value store: ranks compare their compiled schedules
+    through it, without a collective (a rank recompiling alone must not wait for the others).
+    Public replacement: none (torch.distributed exposes no accessor for the default store)."""
+    from torch.distributed.distributed_c10d import _get_default_store
+
+    return _get_default_store()

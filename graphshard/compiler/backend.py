@@ -25,6 +25,7 @@ from graphshard.compiler.cost_model import ClusterSpec
 from graphshard.compiler.dynamo_graph import SplitContext, has_markers, split_context
 from graphshard.compiler.options import GraphshardOptions
 from graphshard.compiler.partition import partition
+from graphshard.compiler.schedule_check import check_schedule
 # Importable from here too: the planner reads the joint graph's state with these, and the
 # stage list is what `graphshard dump` and the tests name stages by.
 from graphshard.compiler.partition import gradient_bytes, model_state_bytes, trainable_reads  # noqa: F401
@@ -92,6 +93,8 @@ class GraphshardCompiler:
         def compile_graph(gm: fx.GraphModule, example_inputs: Sequence[Any]):
             gm = run_pipeline(gm, self.context(graph_kind, split), self.observer)
             self.graph_memory[graph_kind] = graph_memory(gm, graph_kind)
+            if self.options.check_schedule:
+                check_schedule(gm, graph_kind)
             if self.options.compiler == "eager":
                 return compat.boxed(gm.forward)
             # Inductor mutates the graph it compiles; observers already hold their copies.

@@ -33,6 +33,8 @@ class GraphshardOptions:
     # "auto": the cost model chooses within memory_budget_mb.
     reshard_after_forward: bool | str | Mapping[str, bool] | None = None
     memory_budget_mb: float | None = None  # per-rank peak (MiB) that "auto" keeps within
+    # ranks compare each compiled graph's collective sequence and raise on a mismatch
+    check_schedule: bool = True
 
     def __post_init__(self):
         def check(ok: bool, message: str) -> None:
@@ -42,6 +44,8 @@ class GraphshardOptions:
         check(isinstance(self.bucket_mb, (int, float)) and not isinstance(self.bucket_mb, bool)
               and self.bucket_mb >= 0, f"bucket_mb must be a number >= 0, got {self.bucket_mb!r}")
         check(isinstance(self.reorder, bool), f"reorder must be a bool, got {self.reorder!r}")
+        check(isinstance(self.check_schedule, bool),
+              f"check_schedule must be a bool, got {self.check_schedule!r}")
         check(isinstance(self.overlap_within_peak, bool),
               f"overlap_within_peak must be a bool, got {self.overlap_within_peak!r}")
         check(isinstance(self.prefetch, int) and not isinstance(self.prefetch, bool)

@@ -18,6 +18,7 @@ from graphshard.compiler.pipeline import run_pipeline
 from graphshard.passes.graph_utils import is_reduce_grad, is_unshard, tensor_bytes
 from graphshard.passes.liveness import step_memory
 from graphshard.passes.markers import ReduceSpec, UnshardSpec
+from graphshard.compiler.rank_agreement import decision_key, first_decision
 from graphshard.passes.reshard_policy import (keeping_costs_peak_memory, last_forward_unit,
                                               params_to_keep, rank_units_to_keep,
                                               tag_reshard_policy, unit_costs)
@@ -42,7 +43,9 @@ def partition(compiler: GraphshardCompiler, joint: fx.GraphModule, joint_inputs,
         # partition shows that costs no peak memory; else partitioned again without it.
         option = compiler.options.reshard_after_forward
         tail = params_to_keep(joint, option) - params_to_keep(joint, option, keep_tail=False)
-        if tail and _keeping_costs_peak_memory(compiler, joint, forward, backward, tail):
+        # decided on the local batch: the first rank to decide decides for all
+        if tail and first_decision(decision_key(joint, tail, option), lambda: (
+                _keeping_costs_peak_memory(compiler, joint, forward, backward, tail))):
             joint = run_pipeline(joint, replace(ctx, keep_tail=False), compiler.observer)
             forward, backward = compat.inductor_partition(joint, joint_inputs, **kwargs)
     return forward, backward

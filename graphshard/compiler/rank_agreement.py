@@ -1,0 +1,46 @@
+"""Compile-time decisions that read rank-local sizes, made alike on every rank.
+
+Some choices that shape the collective schedule are best judged on the memory a graph holds,
+which depends on the local batch (the default's tail of forward: `keeping_costs_peak_memory`).
+Ranks given different batches (a short last batch) would judge differently and compile
+different collective sequences. So the first rank to take such a decision publishes it in the
+default process group's store, and every rank adopts the published one, at once, without a
+collective: a rank that recompiles alone, later, with another batch, reads it too, and keeps
+running the schedule the other ranks run.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from typing import Callable, Collection
+
+import torch.distributed as dist
+import torch.fx as fx
+
+from graphshard import _torch_compat as compat
+from graphshard.passes.graph_utils import is_unshard
+from graphshard.passes.markers import UnshardSpec
+
+_PREFIX = "graphshard/decision"
+
+
+def decision_key(joint: fx.GraphModule, params: Collection[str], option) -> str:
+    """What identifies one decision on every rank: the graph's parameters as every rank sees
+    them (names, full shapes, dtypes: not the batch), the parameters decided on, the option."""
+    gathered = sorted({(UnshardSpec.from_node(node).name, tuple(node.meta["val"].shape),
+                        str(node.meta["val"].dtype)) for node in joint.graph.nodes
+                       if is_unshard(node) and "val" in node.meta})
+    text = repr((gathered, sorted(params), repr(option)))
+    return hashlib.sha256(text.encode()).hexdigest()[:32]
+
+
+def first_decision(key: str, decide: Callable[[], bool]) -> bool:
+    """The decision the first rank to reach `key` took (`decide()` here, if this is that rank)."""
+    if not dist.is_initialized() or dist.get_world_size() == 1 or dist.get_backend() == "fake":
+        return decide()
+    store, name = compat.default_store(), f"{_PREFIX}/{key}"
+    if store.check([name]):
+        return store.get(name) == b"1"
+    mine = b"1" if decide() else b"0"
+    # atomic: set only where no rank has published yet; returns the value that won
+    return store.compare_set(name, "", mine) == b"1"

@@ -1,0 +1,109 @@
+"""Ranks check, at compile time, that they compiled one collective schedule.
+
+Each compiled graph's collective sequence (passes/schedule_digest.py) is digested and compared
+with the other ranks' through the default process group's store, not by a collective: a rank
+that recompiles alone (its batch changed shape) finds the digest the others published when they
+compiled the same schedule and goes on at once. Where the schedules differ, every rank that
+compiles sees the other's digest, one it never compiled itself, and raises within a poll
+interval, naming the first collective that differs and what each rank runs it for; a rank
+whose schedule no other rank publishes within `WAIT_S` raises too.
+"""
+
+from __future__ import annotations
+
+import inspect
+import json
+import time
+
+import torch.distributed as dist
+import torch.fx as fx
+
+from graphshard import _torch_compat as compat
+from graphshard.passes.schedule_digest import CollectiveRecord, collective_sequence, schedule_digest
+
+WAIT_S = 300.0  # for another rank to compile the same graph (its compile may start later)
+_PREFIX = "graphshard/schedule"
+
+
+class ScheduleMismatchError(compat.short_traceback_error()):  # a RuntimeError
+    """Ranks compiled different collective sequences for one graph: run, they would hang,
+    abort in the transport, or pair collectives of equal size and train on wrong numbers.
+    (Dynamo re-raises it as is, so its message is the first line the user reads.)"""
+
+    def __init__(self, message: str, first_useful_frame):
+        RuntimeError.__init__(self, message)
+        self.first_useful_frame = first_useful_frame
+
+
+def _encode(records: list[CollectiveRecord]) -> str:
+    return json.dumps([[r.op, r.kind, r.group, r.group_size, r.dtype, r.size, list(r.params)]
+                       for r in records])
+
+
+def _decode(text: bytes) -> list[CollectiveRecord]:
+    return [CollectiveRecord(op, kind, group, size, dtype, numel, tuple(params))
+            for op, kind, group, size, dtype, numel, params in json.loads(text)]
+
+
+def _first_difference(mine: list[CollectiveRecord], theirs: list[CollectiveRecord]) -> int:
+    return next((i for i, (a, b) in enumerate(zip(mine, theirs)) if a.key() != b.key()),
+                min(len(mine), len(theirs)))
+
+
+def _mismatch_message(graph_kind: str, rank: int, mine: list[CollectiveRecord], other: int,
+                      theirs: list[CollectiveRecord]) -> str:
+    at = _first_difference(mine, theirs)
+    side = lambda records: records[at].describe() if at < len(records) else "nothing (its sequence ends)"  # noqa: E731
+    return (
+        f"graphshard: ranks compiled different collective schedules for the {graph_kind} graph "
+        f"(rank {rank}: {len(mine)} collectives, rank {other}: {len(theirs)}); collective "
+        f"#{at} is {side(mine)} on rank {rank}, but {side(theirs)} on rank {other}. Run, they "
+        "would hang, abort, or compute wrong numbers. Every rank must trace the same code: look "
+        "for a rank-dependent branch in forward (`if dist.get_rank() == ...`), data-dependent "
+        "control flow, or a module used on some ranks only. To skip this check, pass "
+        "options={'check_schedule': False}.")
+
+
+def check_schedule(gm: fx.GraphModule, graph_kind: str, *, wait_s: float = WAIT_S) -> None:
+    """Raise ScheduleMismatchError unless every other rank compiled (or compiles) a
+    `graph_kind` graph with this graph's collective sequence."""
+    # a fake process group (graphshard dump, the planner) is one process: no other rank to ask
+    if not dist.is_initialized() or dist.get_world_size() == 1 or dist.get_backend() == "fake":
+        return
+    records = collective_sequence(gm)
+    digest, rank = schedule_digest(records), dist.get_rank()
+    store = compat.default_store()
+    has = lambda r, d: f"{_PREFIX}/has/{graph_kind}/{r}/{d}"  # noqa: E731
+    latest = lambda r: f"{_PREFIX}/latest/{graph_kind}/{r}"  # noqa: E731
+    store.set(f"{_PREFIX}/sequence/{digest}", _encode(records))
+    store.set(has(rank, digest), "1")
+    store.set(latest(rank), digest)
+    waiting = [r for r in range(dist.get_world_size()) if r != rank]
+    deadline, pause = time.monotonic() + wait_s, 0.01
+    while waiting:
+        for other in list(waiting):
+            if store.check([has(other, digest)]):
+                waiting.remove(other)
+                continue
+            if not store.check([latest(other)]):
+                continue
+            theirs = store.get(latest(other)).decode()
+            # the other rank's newest schedule, one this rank never compiled: not a rank behind
+            # or ahead of this one in the same sequence of compiles, but a different graph
+            if theirs != digest and not store.check([has(rank, theirs)]):
+                other_records = _decode(store.get(f"{_PREFIX}/sequence/{theirs}"))
+                raise ScheduleMismatchError(
+                    _mismatch_message(graph_kind, rank, records, other, other_records),
+                    inspect.currentframe())
+        if not waiting:
+            break
+        if time.monotonic() > deadline:
+            raise ScheduleMismatchError(
+                f"graphshard: rank(s) {waiting} compiled no {graph_kind} graph with rank {rank}'s "
+                f"collective schedule ({len(records)} collectives, the first "
+                f"{records[0].describe() if records else 'none'}) within {wait_s:.0f} s: rank "
+                f"{rank} compiled a graph the others do not run (a rank-dependent branch, or a "
+                "graph only this rank calls). Every rank must run the same compiled code; to skip "
+                "this check, pass options={'check_schedule': False}.", inspect.currentframe())
+        time.sleep(pause)
+        pause = min(2 * pause, 0.2)

@@ -1,0 +1,156 @@
+"""Ranks agree on one collective schedule: a short last batch trains right, a rank-dependent
+forward fails at compile time on every rank with a graphshard error.
+
+World size 2 on gloo, a tiny Hugging Face Llama (tests/model_zoo.py) given a different number
+of rows on each rank, one SGD step per batch, against a single process: under DDP's semantics
+the gradient is the mean over ranks of each rank's mean-loss gradient. One spawned group runs
+every configuration (Inductor compiles dominate the time).
+"""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+import torch
+
+from graphshard.tools.launch import run_local
+
+pytestmark = pytest.mark.timeout(1800)
+
+WORLD, SEQ, LR = 2, 8, 0.5
+TOL = 1e-5  # fp32: per-rank graphs change only the order of float sums
+# (name, torch.compile arguments or None for eager, rows per rank for each step)
+CONFIGS = [
+    ("inductor-4v1-then-4v2", {}, [(4, 1), (4, 2)]),  # the second step: rank 1 alone recompiles
+    ("inductor-dynamic-4v1", {"dynamic": True}, [(4, 1)]),
+    ("eager-4v1", None, [(4, 1)]),
+    ("inductor-3v2", {}, [(3, 2)]),
+]
+
+
+def _model() -> torch.nn.Module:
+    from tests.model_zoo import ZOO
+    return ZOO["llama-untied"].build()
+
+
+def _tokens(step: int, rows: int, rank: int) -> torch.Tensor:
+    generator = torch.Generator().manual_seed(1000 * step + rank)
+    return torch.randint(0, 64, (rows, SEQ), generator=generator)
+
+
+def _loss(model, tokens: torch.Tensor) -> torch.Tensor:
+    from tests.model_zoo import causal_lm_loss
+    return causal_lm_loss(model(input_ids=tokens).logits, tokens)
+
+
+def _train(rank: int, world: int, name: str, compile_args, steps) -> dict:
+    import traceback
+
+    try:
+        return {"params": _steps(rank, compile_args, steps), "error": None}
+    except Exception:  # reported by the test, with the rank's traceback
+        return {"params": [], "error": traceback.format_exc()}
+
+
+def _steps(rank: int, compile_args, steps) -> list[dict[str, torch.Tensor]]:
+    import graphshard
+
+    model = _model()
+    graphshard.shard(model)
+    fn = model if compile_args is None else torch.compile(model, backend="graphshard",
+                                                          fullgraph=True, **compile_args)
+    opt = torch.optim.SGD(model.parameters(), lr=LR)
+    params = []
+    for step, rows in enumerate(steps):
+        _loss(fn, _tokens(step, rows[rank], rank)).backward()
+        opt.step()
+        opt.zero_grad()
+        params.append({n: p.full_tensor() for n, p in model.named_parameters()})
+    torch._dynamo.reset()
+    return params
+
+
+class RankBranch(torch.nn.Module):
+    """A forward that runs a module on rank 0 only."""
+
+    def __init__(self):
+        super().__init__()
+        self.first = torch.nn.Linear(16, 16)
+        self.extra = torch.nn.Linear(16, 16)
+        self.last = torch.nn.Linear(16, 4)
+
+    def forward(self, x):
+        x = self.first(x)
+        if torch.distributed.get_rank() == 0:
+            x = self.extra(x)
+        return self.last(x)
+
+
+def _rank_branch(rank: int) -> dict:
+    import graphshard
+
+    model = RankBranch()
+    graphshard.shard(model)
+    fn = torch.compile(model, backend="graphshard", options={"compiler": "eager"})
+    start = time.perf_counter()
+    try:
+        fn(torch.randn(4, 16)).sum().backward()
+    except Exception as exc:  # the test checks its type
+        return {"error": f"{type(exc).__name__}: {exc}", "seconds": time.perf_counter() - start}
+    return {"error": None, "seconds": time.perf_counter() - start}
+
+
+def worker(rank: int, world: int) -> dict:
+    results = {name: _train(rank, world, name, args, steps) for name, args, steps in CONFIGS}
+    results["rank-branch"] = _rank_branch(rank)
+    return results
+
+
+def reference(steps) -> list[dict[str, torch.Tensor]]:
+    """One process, each step: the mean over ranks of each rank's mean loss on its rows."""
+    model = _model()
+    opt = torch.optim.SGD(model.parameters(), lr=LR)
+    params = []
+    for step, rows in enumerate(steps):
+        losses = [_loss(model, _tokens(step, rows[rank], rank)) for rank in range(WORLD)]
+        torch.stack(losses).mean().backward()
+        opt.step()
+        opt.zero_grad()
+        params.append({n: p.detach().clone() for n, p in model.named_parameters()})
+    return params
+
+
+@pytest.fixture(scope="module")
+def runs() -> list[dict]:
+    return run_local(worker, WORLD, timeout_s=1200)
+
+
+def _max_diff(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
+    assert a.keys() == b.keys()
+    return max((a[k] - b[k]).abs().max().item() for k in a)
+
+
+@pytest.mark.parametrize("name,steps", [(name, steps) for name, _, steps in CONFIGS],
+                         ids=[name for name, _, _ in CONFIGS])
+def test_uneven_batches_train_as_ddp(runs, name, steps):
+    expected = reference(steps)
+    for rank in range(WORLD):
+        assert runs[rank][name]["error"] is None, f"rank {rank}:\n{runs[rank][name]['error']}"
+        assert len(runs[rank][name]["params"]) == len(steps)
+        for step, params in enumerate(runs[rank][name]["params"]):
+            diff = _max_diff(params, expected[step])
+            assert diff < TOL, f"{name}, rank {rank}, after step {step}: {diff:.3g} off DDP"
+
+
+def test_a_rank_dependent_branch_fails_at_compile_time_on_every_rank(runs):
+    for rank in range(WORLD):
+        result = runs[rank]["rank-branch"]
+        assert result["error"] is not None, f"rank {rank} ran a mismatched schedule"
+        message = result["error"]
+        assert message.startswith("ScheduleMismatchError: "), message
+        assert "different collective schedules for the forward graph" in message
+        assert "extra.weight" in message  # the first collective that differs serves it
+        assert "rank-dependent branch" in message
+        # compile time of the eager compiler included; a hang would be the 300 s wait
+        assert result["seconds"] < 60, result["seconds"]
