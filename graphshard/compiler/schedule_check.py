@@ -103,7 +103,9 @@ def check_schedule(gm: fx.GraphModule, graph_kind: str, *, wait_s: float = WAIT_
                 f"collective schedule ({len(records)} collectives, the first "
                 f"{records[0].describe() if records else 'none'}) within {wait_s:.0f} s: rank "
                 f"{rank} compiled a graph the others do not run (a rank-dependent branch, or a "
-                "graph only this rank calls). Every rank must run the same compiled code; to skip "
-                "this check, pass options={'check_schedule': False}.", inspect.currentframe())
+                "graph only this rank calls). Every rank must run the same compiled code. If the "
+                "other ranks loaded this graph from a compile cache this rank lacks (a warm cache "
+                "on some hosts only), give every rank the same cache or none; to skip this check, "
+                "pass options={'check_schedule': False}.", inspect.currentframe())
         time.sleep(pause)
         pause = min(2 * pause, 0.2)
