@@ -66,3 +66,8 @@ def make_tied(batch: int = 2):
     from tests.zoo import TinyGPT, gpt_batch
 
     return TinyGPT(), (gpt_batch(batch),), lambda out, tokens: out.float().square().mean()
+
+
+def make_fixed():
+    """Example inputs of one fixed shape: no batch= or seq_len= to build them at another."""
+    return Tiny(), (torch.randn(2, 8),)
