@@ -6,7 +6,8 @@ import argparse
 import sys
 
 from graphshard.bench.methods import DEFAULT_METHODS, METHODS, method
-from graphshard.bench.workload import MODEL_NAMES, ModelUnavailable, build_workload, parse_model_args
+from graphshard.bench.workload import MODEL_NAMES, ModelUnavailable, build_workload
+from graphshard.tools.arguments import parse_model_args
 
 
 def _known(name: str) -> bool:

@@ -28,7 +28,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from graphshard.bench.workload import parse_model_args
+from graphshard.tools.arguments import parse_model_args
 
 MODES = ("none", "sync", "async")
 

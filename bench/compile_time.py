@@ -32,7 +32,8 @@ from typing import Any
 
 import torch
 
-from graphshard.bench.workload import build_workload, parse_model_args
+from graphshard.bench.workload import build_workload
+from graphshard.tools.arguments import parse_model_args
 
 METHODS = ("torch_compile", "graphshard")
 CACHE_COUNTERS = (("aot_autograd", "autograd_cache_hit"), ("aot_autograd", "autograd_cache_miss"),

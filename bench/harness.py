@@ -39,7 +39,8 @@ from graphshard._torch_compat import allow_recompiles, compile_counters
 from graphshard.bench.measure import (analyze, count_frees_on_every_thread, measured_step, phase,
                                       memory_profile)
 from graphshard.bench.methods import MethodUnavailable, method
-from graphshard.bench.workload import Workload, build_workload
+from graphshard.bench.workload import build_workload
+from graphshard.tools.workload import Workload
 
 OK = "ok"
 PROFILED_STEPS = 3  # in the profile's measured region: per-step numbers are their average

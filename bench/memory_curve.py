@@ -19,7 +19,7 @@ import argparse
 import json
 import sys
 
-from graphshard.bench.workload import parse_model_args
+from graphshard.tools.arguments import parse_model_args
 
 FIXED = ("ddp_eager", "fsdp2_eager")
 

@@ -2,9 +2,6 @@
 
 from __future__ import annotations
 
-import argparse
-import ast
-from dataclasses import dataclass
 from typing import Callable
 
 import torch
@@ -12,6 +9,7 @@ import torch.nn as nn
 
 from graphshard.passes.units import repeated_blocks
 from graphshard.tools.models import BUILTIN_MODELS, build_model, cross_entropy_loss, synthetic_tokens
+from graphshard.tools.workload import Workload
 
 HF_LLAMA = "hf-llama"
 # llama3-8b is left out: at full size it does not fit a benchmark on these machines.
@@ -21,17 +19,6 @@ MODEL_NAMES = (*(n for n in ("transformer", "transformer-large", "llama") if n i
 
 class ModelUnavailable(RuntimeError):
     """The model needs an optional package that is not installed."""
-
-
-@dataclass
-class Workload:
-    model: nn.Module  # pristine initial weights; every method trains its own deep copy
-    global_inputs: tuple[torch.Tensor, ...]
-    loss_fn: Callable[..., torch.Tensor]  # loss = loss_fn(output, *inputs)
-
-    def local_inputs(self, rank: int, world_size: int) -> tuple[torch.Tensor, ...]:
-        """This rank's 1/world_size slice of the global batch (dim 0)."""
-        return tuple(t.chunk(world_size, dim=0)[rank].contiguous() for t in self.global_inputs)
 
 
 class _LogitsOnly(nn.Module):
@@ -62,29 +49,17 @@ def _build_hf_llama(batch: int, seq_len: int, **overrides) -> tuple[nn.Module, t
 
 
 def build_workload(name: str, batch: int, seq_len: int, seed: int, overrides: dict) -> Workload:
-    """Build `name` with the global batch, seeded so every rank and method starts identical."""
+    """Build `name` with the global batch, seeded so every rank and method starts identical:
+    pristine initial weights, of which every method trains its own deep copy."""
     torch.manual_seed(seed)
     if name == HF_LLAMA:
         model, inputs, loss_fn = _build_hf_llama(batch, seq_len, **overrides)
     else:
         model, inputs, loss_fn = build_model(name, batch=batch, seq_len=seq_len, **overrides)
-    return Workload(model, tuple(inputs), loss_fn)
+    return Workload(model, tuple(inputs), loss_fn, name)
 
 
 def transformer_blocks(model: nn.Module) -> list[nn.Module]:
     """The repeated blocks (graphshard's units, passes/units.py): FSDP2 shards each one separately."""
     return repeated_blocks(model)
 
-
-def parse_model_args(text: str) -> tuple[tuple[str, object], ...]:
-    """'dim=32,n_layers=1' -> (('dim', 32), ('n_layers', 1)); values are Python literals."""
-    pairs = []
-    for item in filter(None, text.split(",")):
-        key, sep, value = item.partition("=")
-        if not sep:
-            raise argparse.ArgumentTypeError(f"expected KEY=VALUE, got {item!r}")
-        try:
-            pairs.append((key.strip(), ast.literal_eval(value.strip())))
-        except (ValueError, SyntaxError):
-            pairs.append((key.strip(), value.strip()))
-    return tuple(pairs)

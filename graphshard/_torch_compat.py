@@ -399,3 +399,23 @@ def default_store():
     from torch.distributed.distributed_c10d import _get_default_store
 
     return _get_default_store()
+
+
+# --------------------------------------------------------------------------- the planner
+
+
+@contextmanager
+def quiet_selective_checkpoint_notice():
+    """Silence Dynamo's notice, logged at every capture of a selective-checkpointing policy, to
+    make sure the checkpointed region holds no in-place ops: advice for a user's own policy,
+    noise among `graphshard plan`'s progress lines (the policy is graphshard's). Public
+    replacement: none (the notice comes from the private torch._higher_order_ops.wrap logger)."""
+    import logging
+
+    logger = logging.getLogger("torch._higher_order_ops.wrap")
+    level = logger.level
+    logger.setLevel(logging.ERROR)
+    try:
+        yield
+    finally:
+        logger.setLevel(level)

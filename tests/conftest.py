@@ -10,10 +10,10 @@ os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", os.path.join(os.path.dirname(__
 @pytest.fixture
 def fake_pg(request):
     """A fake process group of the requested world size (default 8) in this one process."""
-    from torch.testing._internal.distributed.fake_pg import FakeStore
+    from graphshard._torch_compat import init_fake_process_group
 
     world_size = getattr(request, "param", 8)
-    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=world_size)
+    init_fake_process_group(world_size)
     try:
         yield world_size
     finally:

@@ -191,3 +191,21 @@ def test_a_graphshard_variant_sets_strategy_dtype_checkpointing_and_options(fake
     assert compiled is not workload.model  # torch.compile's wrapper
     with pytest.raises(ValueError, match="prefetch"):
         method("graphshard:prefetch=soon")
+
+
+def test_bench_and_the_tools_share_one_workload_and_one_model_args_parser(capsys):
+    """The bench parses --model-args as dump and plan do and trains the library's Workload;
+    a malformed pair is refused with the same message."""
+    from graphshard.tools.arguments import parse_model_args
+    from graphshard.tools.dump.loading import Workload as DumpWorkload
+    from graphshard.tools.workload import Workload
+
+    assert parse_model_args("dim=32, name=gpt2,tied=True,") == (
+        ("dim", 32), ("name", "gpt2"), ("tied", True))
+    workload = build_workload("transformer", 4, 8, 0, MODEL_ARGS)
+    assert isinstance(workload, Workload) and Workload is DumpWorkload
+    assert [t.shape[0] for t in workload.local_inputs(1, 2)] == [2]
+    assert workload.run(workload.model).shape[:2] == (4, 8)
+    with pytest.raises(SystemExit):
+        main(["--model-args", "dim"])
+    assert "argument --model-args: expected KEY=VALUE, got 'dim'" in capsys.readouterr().err

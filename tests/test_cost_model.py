@@ -32,8 +32,9 @@ SPEC = ClusterSpec(latency_s=1e-3, bandwidth_Bps=1e9, flops_per_s=1e9,
 @pytest.fixture
 def fake_pg():
     """A world-size-8 fake process group, so functional collectives can be traced."""
-    from torch.testing._internal.distributed.fake_pg import FakeStore
-    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=8)
+    from graphshard._torch_compat import init_fake_process_group
+
+    init_fake_process_group(8)
     try:
         yield dist.group.WORLD.group_name
     finally:

@@ -3,8 +3,11 @@ the topology of collectives, depth extrapolation against a whole capture, and ba
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import io
 import json
+import re
 
 import pytest
 import torch.distributed as dist
@@ -18,6 +21,7 @@ from graphshard.tools import plan as planner
 from graphshard.tools.models import build_model
 
 SMALL = ["transformer", "--model-args", "dim=64,vocab_size=256", "--seq", "32"]
+TINY = "tests/dump_targets/tiny.py"
 
 
 @pytest.fixture(scope="module")
@@ -28,8 +32,11 @@ def planned(tmp_path_factory):
             "--ac", "none,full", "--dtypes", "bf16", "--quiet",
             "--json", str(tmp / "all.json"), "--out", str(tmp / "best.json"),
             "--trace", str(tmp / "trace.json")]
-    assert planner.main(argv) == 0
-    return {name: json.loads((tmp / f"{name}.json").read_text()) for name in ("all", "best", "trace")}
+    printed = io.StringIO()
+    with contextlib.redirect_stdout(printed):
+        assert planner.main(argv) == 0
+    return {"printed": printed.getvalue(),
+            **{name: json.loads((tmp / f"{name}.json").read_text()) for name in ("all", "best", "trace")}}
 
 
 def test_every_configuration_is_reported_best_first(planned):
@@ -50,6 +57,16 @@ def test_every_configuration_is_reported_best_first(planned):
     assert {c["options"]["prefetch"] for c in configs} == {1, 2}
     assert {c["options"]["bucket_mb"] for c in configs} == {25.0, 64.0}
     assert planned["trace"]["traceEvents"], "the trace of the best configuration is empty"
+
+
+def test_memory_is_printed_in_a_unit_that_fits(planned):
+    """This model peaks at about 1 MiB: in GiB every cell would read 0.0."""
+    rows = [line for line in planned["printed"].splitlines() if re.match(r"\s+\d+\s+\w+_shard", line)]
+    assert rows, planned["printed"]
+    limit = "74.51 GiB"  # the H100 preset's 80 GB
+    for row in rows:
+        assert re.search(rf"\b\d+\.\d\d [KM]iB / {limit}", row), row
+    assert " 0.0 " not in planned["printed"] and "0.00 GiB" not in planned["printed"]
 
 
 def test_micro_batches_accumulate_to_the_global_batch():
@@ -130,8 +147,8 @@ def test_depth_extrapolation_matches_a_whole_capture():
         w = whole_by[key(c)]
         assert c.step_s == pytest.approx(w.step_s, rel=0.03), c.knobs
         # Backward's peak does not grow by the same amount with the first blocks as with later
-        # ones (measured in the ninth session: +0.47 MB from 3 to 4 blocks, +0.1 MB per block
-        # from 4 on), which is why the probes start at 4 blocks.
+        # ones (this model: +0.47 MB from 3 to 4 blocks, +0.1 MB per block from 4 on), which
+        # is why the probes start at 4 blocks.
         assert c.peak_memory_bytes == pytest.approx(w.peak_memory_bytes, rel=0.03), c.knobs
 
 
@@ -152,9 +169,9 @@ def test_auto_keeps_as_many_blocks_beyond_the_default_as_the_device_memory_allow
     layout, knobs = planner.Layout("full_shard", 8, "none", "float32", 1), planner.Knobs("last", 1, 64.0)
 
     def kept(limit: float, depth: int = 5) -> int | None:
-        config = planner._auto(layout, lambda k: probes[k.keep], depth, knobs,
-                               lambda _, __, p: SimpleNamespace(peak_memory_bytes=p.transient_bytes),
-                               limit)
+        config = planner.auto_config(layout, lambda k: probes[k.keep], depth, knobs,
+                                     lambda _, __, p: SimpleNamespace(peak_memory_bytes=p.transient_bytes),
+                                     limit)
         return None if config is None else config.kept_blocks
 
     assert kept(11 * mb) is None  # no room beyond the default: that is the default's row
@@ -174,13 +191,25 @@ def test_auto_keeps_as_many_blocks_beyond_the_default_as_the_device_memory_allow
      "must be a positive multiple of --devices 8"),
     (["llama3-8b", "--seq", "128", "--devices", "1", "--cluster", "local", "--global-batch", "1",
       "--ac", "none", "--dtypes", "bf16", "--model-args", "n_layers=4"],
-     r"fits in no configuration on 1 devices of 24 GiB: the smallest peak is .* GiB too much"),
+     r"fits in no configuration on 1 devices of 24.00 GiB: the smallest peak is .* GiB too much"),
+    # `graphshard dump` accepts these factories; the planner builds inputs at each micro-batch
+    ([f"{TINY}:make_fixed", "--seq", "8", "--devices", "8", "--cluster", "h100", "--global-batch", "8"],
+     r"make_fixed takes no batch= or seq_len=: the planner varies the micro-batch .* needs "
+     r"factory\(batch=, seq_len=\)"),
+    ([f"{TINY}:make", "--seq", "8", "--devices", "8", "--cluster", "h100", "--global-batch", "8"],
+     r"make takes no seq_len=: .*factory\(batch=, seq_len=\)"),
+    ([*SMALL, "--devices", "8", "--cluster", "h100", "--global-batch", "8", "--ac", "full,most"],
+     r"--ac: expected none, full, selective \(comma-separated\), got 'full,most'"),
+    ([*SMALL, "--devices", "8", "--cluster", "h100", "--global-batch", "8", "--dtypes", "int8"],
+     r"--dtypes takes bf16 and/or fp32; got 'int8'"),
+    (["transformer", "--model-args", "dim", "--seq", "32", "--devices", "8", "--cluster", "h100",
+      "--global-batch", "8"], r"--model-args: expected KEY=VALUE, got 'dim'"),
 ])
 def test_bad_input_is_one_clear_line(capsys, argv, message):
     assert planner.main([*argv, "--quiet"]) == 2
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1 and err.startswith("graphshard plan: error:"), err
-    assert __import__("re").search(message, err), err
+    assert re.search(message, err), err
 
 
 def test_presets_are_listed_in_help(capsys):
@@ -211,3 +240,44 @@ def test_inductors_joint_graph_rewrites_run_once_per_capture(monkeypatch):
                                     {"dim": 64, "vocab_size": 256})
     assert set(probes) == set(knobs)
     assert len(rewrites) >= 2 and rewrites[0] and not any(rewrites[1:]), rewrites
+
+
+def test_dump_and_plan_take_the_same_activation_checkpointing_option(capsys, tmp_path):
+    """`--ac MODE` means the same to both: dump shows the step with the blocks checkpointed
+    (fewer activations saved for backward), and both refuse a mode neither knows alike."""
+    from graphshard.tools import dump
+
+    saved = {}
+    for mode in ("none", "full", "selective"):
+        out = tmp_path / f"{mode}.json"
+        assert dump.main([*SMALL, "--model-args", "n_layers=2", "--world-size", "2", "--quiet",
+                          "--ac", mode, "--json", str(out)]) == 0
+        saved[mode] = json.loads(out.read_text())["estimate"]["memory"]["backward_saved_bytes"]
+    assert saved["full"] < saved["selective"] < saved["none"], saved
+    capsys.readouterr()
+    assert dump.main([*SMALL, "--ac", "most"]) == 2
+    dump_error = capsys.readouterr().err
+    assert planner.main([*SMALL, "--devices", "8", "--cluster", "h100", "--global-batch", "8",
+                         "--ac", "most"]) == 2
+    plan_error = capsys.readouterr().err
+    for err in (dump_error, plan_error):
+        assert "expected" in err and "none, full, selective" in err and "'most'" in err, err
+
+
+def test_the_auto_search_finds_the_longest_fitting_prefix_in_few_measurements():
+    """The search the backend and the planner share: every unit first, then a binary search;
+    the peak may fall before it rises (keeping a unit spares backward its gather)."""
+    from graphshard.compiler.auto_reshard import longest_fitting_prefix
+
+    peaks = [10, 9, 9, 11, 12, 14, 17, 21, 26]  # convex in the units kept
+    measured = []
+
+    def peak(n: int) -> float:
+        measured.append(n)
+        return peaks[n]
+
+    assert longest_fitting_prefix(8, peak, 13) == 4
+    assert len(measured) <= 4 and measured[0] == 8
+    assert longest_fitting_prefix(8, peaks.__getitem__, 26) == 8
+    assert longest_fitting_prefix(8, peaks.__getitem__, 10.5) == 2
+    assert longest_fitting_prefix(0, peaks.__getitem__, 0) == 0

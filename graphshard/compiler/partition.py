@@ -13,6 +13,7 @@ import torch.distributed as dist
 import torch.fx as fx
 
 from graphshard import _torch_compat as compat
+from graphshard.compiler.auto_reshard import longest_fitting_prefix
 from graphshard.compiler.cost_model import collective_time, node_cost
 from graphshard.compiler.pipeline import run_pipeline
 from graphshard.passes.graph_utils import is_reduce_grad, is_unshard, tensor_bytes
@@ -94,18 +95,8 @@ def choose_kept_units(compiler: GraphshardCompiler, joint: fx.GraphModule, joint
                       f"the predicted peak with every unit resharded ({base_peak / 2**20:.1f} "
                       "MiB): no unit is kept gathered beyond the default")
         ranked = []
-    fits, misses = 0, len(ranked) + 1  # predicted_peak(prefix of `fits`) <= budget < ...misses
-    if ranked:  # everything first: the peak need not grow with each unit kept
-        if predicted_peak(keep_set(ranked))[0] <= budget:
-            fits = len(ranked)
-        else:
-            misses = len(ranked)
-    while misses - fits > 1:
-        probe = (fits + misses) // 2
-        if predicted_peak(keep_set(ranked[:probe]))[0] <= budget:
-            fits = probe
-        else:
-            misses = probe
+    fits = longest_fitting_prefix(
+        len(ranked), lambda n: predicted_peak(keep_set(ranked[:n]))[0], budget)
     return keep_set(ranked[:agree_on_minimum(fits)])
 
 

@@ -78,3 +78,8 @@ class ReadsParametersDirectly(Tiny):
 
 def fails_to_compile():
     return ReadsParametersDirectly(), (torch.randn(2, 8),)
+
+
+def make_fixed():
+    """Example inputs of one fixed shape: no batch= or seq_len= to build them at another."""
+    return Tiny(), (torch.randn(2, 8),)

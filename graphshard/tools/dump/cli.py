@@ -3,12 +3,11 @@
 from __future__ import annotations
 
 import argparse
-import ast
 import json
 import os
 import sys
 import time
-from typing import Any, Callable, Sequence
+from typing import Callable, Sequence
 
 from graphshard.tools.dump.analysis import dump
 from graphshard.tools.dump.loading import DumpError, check_output_paths, load_workload, one_line
@@ -24,22 +23,9 @@ class _Parser(argparse.ArgumentParser):
         raise DumpError(message)
 
 
-def _model_args(items: Sequence[str]) -> dict[str, Any]:
-    """['dim=32,n_layers=1', 'vocab_size=64'] -> {...}; values are Python literals."""
-    args: dict[str, Any] = {}
-    for item in (part for text in items for part in text.split(",") if part.strip()):
-        key, sep, value = item.partition("=")
-        if not sep:
-            raise DumpError(f"--model-args expects KEY=VALUE, got {item!r}")
-        try:
-            args[key.strip()] = ast.literal_eval(value.strip())
-        except (ValueError, SyntaxError):
-            args[key.strip()] = value.strip()
-    return args
-
-
 def _parser() -> argparse.ArgumentParser:
     from graphshard.compiler.pipeline import STAGES
+    from graphshard.tools.arguments import AC_HELP, parse_ac_mode, parse_model_args
     from graphshard.tools.cli import parse_dtype
 
     p = _Parser(prog="graphshard dump",
@@ -69,8 +55,11 @@ def _parser() -> argparse.ArgumentParser:
                    help="batch size (per rank) of the example inputs: factory kwarg batch=")
     p.add_argument("--seq", type=int,
                    help="sequence length of the example inputs: factory kwarg seq_len=")
-    p.add_argument("--model-args", action="append", default=[], metavar="K=V,...",
+    p.add_argument("--model-args", type=parse_model_args, action="append", default=[],
+                   metavar="K=V,...",
                    help="factory keyword arguments, e.g. n_layers=2,dim=64 (built-ins: config)")
+    p.add_argument("--ac", type=parse_ac_mode, default="none", metavar="MODE",
+                   help=f"{AC_HELP} (default none)")
     p.add_argument("--no-meta", dest="meta", action="store_false",
                    help="call a factory as written instead of under torch.device('meta')")
     p.add_argument("--cluster", metavar="PRESET|FILE",
@@ -102,6 +91,7 @@ def _progress_printer(quiet: bool) -> Callable[[str], None]:
 def run(argv: Sequence[str]) -> int:
     """The dump `argv` asks for: its exit status; bad input raises DumpError, and a compile
     failure too under --traceback."""
+    from graphshard.activation_checkpointing import apply_activation_checkpointing
     from graphshard.compiler.options import parse_option_strings
     from graphshard.compiler.pipeline import STAGES
     from graphshard.policy import ShardingStrategy
@@ -132,7 +122,11 @@ def run(argv: Sequence[str]) -> int:
             raise DumpError(f"--cluster: {one_line(e)}") from None
 
     workload = load_workload(args.target, meta=args.meta, batch=args.batch, seq_len=args.seq,
-                             model_args=_model_args(args.model_args))
+                             model_args=dict(pair for pairs in args.model_args for pair in pairs))
+    try:
+        apply_activation_checkpointing(workload.model, args.ac)
+    except ValueError as e:  # no repeated blocks to checkpoint
+        raise DumpError(f"--ac {args.ac}: {e}") from e
     try:
         result = dump(workload, world_size=args.world_size, strategy=strategy, options=options,
                       stages=stages, shard_size=args.shard_size, param_dtype=args.param_dtype,

@@ -8,8 +8,9 @@ import importlib
 import importlib.util
 import os
 import sys
-from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Callable
+
+from graphshard.tools.workload import Workload
 
 
 class DumpError(Exception):
@@ -36,18 +37,6 @@ def check_output_paths(**paths: str | None) -> None:
                    else None)
         if problem:
             raise DumpError(f"--{flag} {path!r}: {problem}")
-
-
-@dataclass
-class Workload:
-    model: Any
-    inputs: tuple | dict  # positional arguments, or keyword arguments (Hugging Face's input_ids=)
-    loss_fn: Callable | None
-    description: str
-
-    def run(self, model) -> Any:
-        """`model` (the workload's, compiled) called on the example inputs."""
-        return model(**self.inputs) if isinstance(self.inputs, dict) else model(*self.inputs)
 
 
 def import_factory(target: str) -> Callable:

@@ -1,0 +1,91 @@
+"""The search: every layout captured (in a process pool), every option set estimated on each,
+"auto" added where it is neither the default nor "all", ranked best first."""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import time
+from typing import Callable, Sequence
+
+from graphshard.tools.plan.auto import auto_config
+from graphshard.tools.plan.capture import capture_job, capture_probes
+from graphshard.tools.plan.config import Config, finish
+from graphshard.tools.plan.pool import capture_pool
+from graphshard.tools.plan.space import KNOBS, Knobs, Layout, PlanError, layouts
+from graphshard.tools.plan.target import at_depth, check_factory_takes_shape, depth_probes
+
+
+def as_ranks_see_it(cluster, devices: int):
+    """The cluster as each rank sees it when `devices` ranks fill its nodes (ranks beyond a
+    node's compute slots share them)."""
+    return cluster.shared_by(min(devices, cluster.devices_per_node or devices))
+
+
+def predict(target: str, devices: int, cluster, global_batch: int, seq: int, layout: Layout,
+            knobs: Knobs, model_args: dict | None = None) -> Config:
+    """One configuration's prediction, as `plan` makes it (the fidelity bench compares it with
+    a measurement)."""
+    model_args = dict(model_args or {})
+    check_factory_takes_shape(target)
+    cluster = as_ranks_see_it(cluster, devices)
+    depth, probe_sizes = depth_probes(target, model_args)
+    knob = dataclasses.replace(knobs, keep="last") if knobs.keep == "auto" else knobs
+    captured = [capture_probes(target, layout, devices, seq, n, (knob,), cluster, model_args)
+                for n in probe_sizes]
+    return finish(layout, knobs, at_depth(captured, probe_sizes, depth, knob),
+                  accumulation=global_batch // devices // layout.micro_batch, cluster=cluster,
+                  devices=devices, tokens=global_batch * seq)
+
+
+def check_plan_input(devices: int, cluster, global_batch: int) -> None:
+    if devices < 1:
+        raise PlanError(f"--devices must be at least 1, got {devices}")
+    node = cluster.devices_per_node
+    if node and devices > node and devices % node:
+        raise PlanError(f"--devices {devices} is not a whole number of nodes of {node} devices: "
+                        f"use at most {node} or a multiple of {node}")
+    if global_batch < 1 or global_batch % devices:
+        raise PlanError(f"--global-batch {global_batch} must be a positive multiple of --devices "
+                        f"{devices} (every device trains an equal share)")
+
+
+def plan(target: str, devices: int, cluster, global_batch: int, seq: int, *,
+         model_args: dict | None = None, ac_modes: Sequence[str] = ("none", "full", "selective"),
+         dtypes: Sequence[str] = ("bfloat16", "float32"), knobs: Sequence[Knobs] = KNOBS,
+         workers: int = 1, progress: Callable[[str], None] = lambda message: None) -> list[Config]:
+    """Every configuration, best first (fitting ones by step time, then the rest by peak)."""
+    model_args = dict(model_args or {})
+    check_plan_input(devices, cluster, global_batch)
+    check_factory_takes_shape(target)
+    cluster = as_ranks_see_it(cluster, devices)
+    depth, probe_sizes = depth_probes(target, model_args)
+    if depth is None:
+        ac_modes = ("none",)  # no repeated blocks to checkpoint
+    local_batch = global_batch // devices
+    tokens = global_batch * seq
+    candidates = layouts(devices, cluster.devices_per_node, local_batch, ac_modes, dtypes)
+    configs: list[Config] = []
+    started = time.perf_counter()
+    jobs = [(target, layout, devices, seq, n, tuple(knobs), cluster, model_args)
+            for layout in candidates for n in probe_sizes]
+    progress(f"{len(candidates)} layouts x {len(probe_sizes)} captures, {len(knobs)} option sets "
+             f"each, on {workers} process(es)")
+    with capture_pool(workers) as pool:
+        results = iter(pool.map(capture_job, jobs))
+        for index, layout in enumerate(candidates):
+            captured = [next(results) for _ in probe_sizes]
+            progress(f"[{time.perf_counter() - started:5.1f} s] layout {index + 1}/{len(candidates)}"
+                     f" done: {layout}")
+            at = functools.partial(at_depth, captured, probe_sizes, depth)
+            finish_layout = functools.partial(finish, accumulation=local_batch // layout.micro_batch,
+                                              cluster=cluster, devices=devices, tokens=tokens)
+            for knob in knobs:
+                configs.append(finish_layout(layout, knob, at(knob)))
+                if knob.keep == "last" and depth:
+                    auto = auto_config(layout, at, depth, knob, finish_layout,
+                                       cluster.device_memory_bytes)
+                    if auto is not None:
+                        configs.append(auto)
+    configs.sort(key=lambda c: (not c.fits, c.step_s if c.fits else c.peak_memory_bytes))
+    return configs

@@ -1,0 +1,59 @@
+"""The planner's search space: the layouts (each needs its own capture) and the option sets
+(only the passes and the estimate run again)."""
+
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass
+from typing import Sequence
+
+
+class PlanError(Exception):
+    """Bad input: one line for the user."""
+
+
+@dataclass(frozen=True)
+class Layout:
+    """What needs its own capture."""
+
+    strategy: str  # "full_shard" or "hybrid_shard"
+    shard_size: int  # ranks per shard group (all devices for full_shard)
+    ac: str  # activation checkpointing: "none", "full", "selective"
+    param_dtype: str  # "bfloat16" (fp32 reduction) or "float32"
+    micro_batch: int  # per device
+
+
+@dataclass(frozen=True)
+class Knobs:
+    """What only re-runs the passes and the estimate."""
+
+    keep: str  # units kept gathered for backward: "last" (the default's tail), "all", "auto"
+    prefetch: int
+    bucket_mb: float
+
+
+KNOBS = tuple(Knobs(keep, prefetch, bucket) for keep in ("last", "all")
+              for prefetch, bucket in ((1, 64.0), (2, 64.0), (1, 25.0)))
+
+
+def shard_group_sizes(devices: int, devices_per_node: int | None) -> list[int]:
+    """Hybrid shard-group sizes: divisors of the device count made of whole nodes (one node or
+    several), short of all devices (that is full_shard)."""
+    node = devices_per_node or devices
+    return [s for s in range(node, devices, node) if devices % s == 0]
+
+
+def micro_batches(local_batch: int) -> list[int]:
+    """The local batch, its half and 1 (those that divide it): fewer, larger micro-batches run
+    faster; smaller ones hold fewer activations."""
+    return sorted({m for m in (local_batch, local_batch // 2, 1) if m >= 1 and local_batch % m == 0},
+                  reverse=True)
+
+
+def layouts(devices: int, devices_per_node: int | None, local_batch: int,
+            ac_modes: Sequence[str], dtypes: Sequence[str]) -> list[Layout]:
+    strategies = [("full_shard", devices)] + [("hybrid_shard", s)
+                                              for s in shard_group_sizes(devices, devices_per_node)]
+    return [Layout(strategy, size, ac, dtype, micro)
+            for (strategy, size), ac, dtype, micro in itertools.product(
+                strategies, ac_modes, dtypes, micro_batches(local_batch))]
