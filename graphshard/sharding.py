@@ -337,6 +337,14 @@ def _nothing(self) -> None:
     return None
 
 
+def _refuse_save_pretrained(self, *args, **kwargs) -> None:
+    """Hugging Face's save_pretrained cannot store a sharded model (it fails on one rank and
+    writes no weights): refused on every rank, naming the way that works."""
+    from graphshard.checkpoint.transformers_models import save_pretrained_refusal
+
+    raise save_pretrained_refusal(self)
+
+
 @functools.lru_cache(maxsize=None)
 def _sharded_class(cls: type, param_names: tuple[str, ...]) -> type:
     # Cached so all instances of one module type share one class: torch.compile then reuses
@@ -349,6 +357,13 @@ def _sharded_class(cls: type, param_names: tuple[str, ...]) -> type:
     properties["_apply"] = _apply_sharded
     properties["__reduce_ex__"] = _reduce_sharded_module
     properties["__copy__"] = _copy_sharded_module
+    name = f"Sharded{cls.__name__}"
+    if hasattr(cls, "save_pretrained"):
+        properties["save_pretrained"] = _refuse_save_pretrained
+        # A Hugging Face model keeps its class's names: transformers finds a model's key
+        # conversions, loss and attention code by its class name and module.
+        name = cls.__name__
+        properties.update(__module__=cls.__module__, __qualname__=cls.__qualname__)
     if issubclass(cls, nn.RNNBase):
         # RNNs cache their parameter objects in `_flat_weights` at construction; read them
         # through the properties instead, or the cached, unsharded originals would be used.
@@ -356,7 +371,7 @@ def _sharded_class(cls: type, param_names: tuple[str, ...]) -> type:
         # Nothing to re-cache when weights change (`_apply`, each forward's check): the
         # property reads the current ones. Their checks would gather every weight again.
         properties["_init_flat_weights"] = properties["_update_flat_weights"] = _nothing
-    return type(f"Sharded{cls.__name__}", (cls,), properties)
+    return type(name, (cls,), properties)
 
 
 # --------------------------------------------------------------------------- loading full weights
@@ -712,6 +727,8 @@ def shard(
             remember_replacement(param, new_param)  # for an optimizer created before shard()
         module._parameters[name] = sharded[id(param)]
         per_module.setdefault(module, {})[name] = specs[id(param)]
+    if hasattr(model, "save_pretrained"):  # a root without parameters of its own, too
+        per_module.setdefault(model, {})
     grad_sync = GradSync()
     for module, module_specs in per_module.items():
         object.__setattr__(module, SPECS_ATTR, module_specs)
