@@ -67,7 +67,7 @@ def full_state(model) -> dict[str, torch.Tensor]:
 
 
 def reference(rank: int, world: int, root: str) -> dict[str, Any]:
-    """The uninterrupted run at world size 4, saving at SAVE_STEP (replacing an earlier save)."""
+    """The uninterrupted run at world size 4, saving at SAVE_STEP (replacing its step-1 save)."""
     path = Path(root) / "ckpt"
     model, optimizer = make(seed=0)
     losses = train(model, optimizer, 0, 1)

@@ -87,7 +87,7 @@ def export(checkpoint: str | os.PathLike, out: str | os.PathLike, *,
     `model-0000i-of-0000N.safetensors` files of at most `max_shard_size` (default "5GB";
     bytes, "500MB", "2GiB") and `model.safetensors.index.json`, or a single
     `model.safetensors` when everything fits in one; `config` (a config.json) is copied in as
-    `config.json`. Weight files of an earlier export there are replaced.
+    `config.json`. Weight files of a previous export there are replaced.
 
     Accepts graphshard's checkpoints and plain DCP / FSDP2 ones. Names are the model's own
     state_dict keys (tied weights under each name). Streams: one full tensor in memory at a
@@ -154,7 +154,7 @@ def _export_directory(out: Path, entries: list[Entry], meta: dict[str, str],
     for name, shard in zip(names, shards):
         temporary.append(out / f".{name}.tmp-{token}")
         _write_safetensors(temporary[-1], shard, meta, tensor)
-    # Every file is complete: move them in, then the index, then drop an earlier export's
+    # Every file is complete: move them in, then the index, then drop a previous export's
     # files (from_pretrained prefers model.safetensors to an index, so a stale one must go).
     for tmp, name in zip(temporary, names):
         os.replace(tmp, out / name)
