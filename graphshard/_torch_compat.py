@@ -419,3 +419,23 @@ def quiet_selective_checkpoint_notice():
         yield
     finally:
         logger.setLevel(level)
+
+
+# --------------------------------------------------------------------------- checkpoints
+
+
+def compiled_module_original(model: torch.nn.Module) -> torch.nn.Module:
+    """The module torch.compile wrapped (the model itself when it is not a compiled wrapper):
+    checkpoints keep the model's own state-dict names, not the wrapper's `_orig_mod.` ones.
+    Public replacement: none (torch.compile returns an OptimizedModule, whose `_orig_mod` is
+    the only way back to the original)."""
+    from torch._dynamo.eval_frame import OptimizedModule
+
+    return model._orig_mod if isinstance(model, OptimizedModule) else model
+
+
+def non_persistent_buffer_names(module: torch.nn.Module) -> set[str]:
+    """Names of `module`'s own buffers registered with persistent=False (not in its state
+    dict: load_pretrained computes them instead of reading them). Public replacement: none
+    (comparing named_buffers with state_dict keys builds the whole state dict)."""
+    return set(module._non_persistent_buffers_set)

@@ -146,7 +146,7 @@ def read_header(file: Path) -> dict[str, TensorInfo]:
                 raise SafetensorsError(f"{file} is not a safetensors file (header length {length})")
             head = json.loads(f.read(length))
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise SafetensorsError(f"cannot read safetensors header of {file}: {exc}") from None
+        raise SafetensorsError(f"cannot read safetensors header of {file}: {exc}") from exc
     if not isinstance(head, dict):
         raise SafetensorsError(f"{file} is not a safetensors file (header is not an object)")
     start = 8 + length
@@ -160,9 +160,9 @@ def read_header(file: Path) -> dict[str, TensorInfo]:
             begin, end = (int(x) for x in entry["data_offsets"])
         except KeyError as exc:
             raise SafetensorsError(f"{file}: tensor {name!r} has unsupported dtype or no "
-                                   f"{exc}") from None
-        except (TypeError, ValueError):
-            raise SafetensorsError(f"{file}: malformed header entry for {name!r}") from None
+                                   f"{exc}") from exc
+        except (TypeError, ValueError) as exc:
+            raise SafetensorsError(f"{file}: malformed header entry for {name!r}") from exc
         if end - begin != nbytes(dtype, shape) or start + end > size or begin < 0:
             raise SafetensorsError(f"{file}: tensor {name!r} has data_offsets {[begin, end]} that "
                                    f"do not fit its shape {list(shape)} or the file")
@@ -199,7 +199,7 @@ def _resolve_index(path: Path) -> dict[str, TensorInfo]:
         weight_map = json.loads(path.read_text())["weight_map"]
     except (OSError, ValueError, KeyError, TypeError) as exc:
         raise SafetensorsError(f"{path} is not a safetensors index (no weight_map: "
-                               f"{exc})") from None
+                               f"{exc})") from exc
     headers: dict[str, dict[str, TensorInfo]] = {}
     tensors = {}
     for name, file in weight_map.items():

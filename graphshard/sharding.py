@@ -198,6 +198,8 @@ def shard(
             remember_replacement(param, new_param)  # for an optimizer created before shard()
         module._parameters[name] = sharded[id(param)]
         per_module.setdefault(module, {})[name] = specs[id(param)]
+    if hasattr(model, "save_pretrained"):  # a root without parameters of its own, too
+        per_module.setdefault(model, {})
     state = ShardState(mesh, strategy, policy)
     for module, module_specs in per_module.items():
         object.__setattr__(module, MODULE_ATTR, ModuleShards(module_specs, {}, state))

@@ -7,6 +7,7 @@ import contextlib
 import gc
 import os
 import time
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -66,7 +67,7 @@ def full_state(model) -> dict[str, torch.Tensor]:
 
 
 def reference(rank: int, world: int, root: str) -> dict[str, Any]:
-    """The uninterrupted run at world size 4, saving at SAVE_STEP (replacing an earlier save)."""
+    """The uninterrupted run at world size 4, saving at SAVE_STEP (replacing its step-1 save)."""
     path = Path(root) / "ckpt"
     model, optimizer = make(seed=0)
     losses = train(model, optimizer, 0, 1)
@@ -165,6 +166,47 @@ def resume_plain_dcp(rank: int, world: int, root: str, single: str) -> dict[str,
     except checkpoint.CheckpointNotFoundError as exc:
         result["missing_error"] = str(exc)
     return result
+
+
+def load_into_meta(rank: int, world: int, root: str) -> dict[str, Any]:
+    """checkpoint.load into a sharded model built on the meta device and never materialised:
+    the error on each rank, and the warnings it printed (torch's no-op copies into meta)."""
+    with torch.device("meta"):
+        model = Zoo(vocab=VOCAB)
+    graphshard.shard(model)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=0.02)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        try:
+            info = checkpoint.load(Path(root) / "ckpt", model, optimizer)
+            error = f"loaded step {info.step}"
+        except checkpoint.CheckpointError as exc:
+            error = str(exc)
+    return {"error": error, "warnings": [str(w.message) for w in caught]}
+
+
+def save_pretrained_refused(rank: int, world: int, directory: str) -> dict[str, Any]:
+    """A sharded Hugging Face model's save_pretrained, called on every rank: what each rank
+    raised, and what it left in the folder."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(LlamaConfig(
+        vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=32))
+    graphshard.shard(model)
+    try:
+        model.save_pretrained(directory)
+        error = None
+    except checkpoint.CheckpointError as exc:
+        error = str(exc)
+    dist.barrier()
+    written = sorted(os.listdir(directory)) if os.path.isdir(directory) else None
+    # The model still trains: the refusal changed nothing else.
+    tokens = torch.randint(0, 64, (2, 8), generator=torch.Generator().manual_seed(rank))
+    model(input_ids=tokens, labels=tokens).loss.backward()
+    return {"error": error, "written": written,
+            "grads": all(p.grad is not None for p in model.parameters())}
 
 
 # --------------------------------------------------------------------------- one group, many checks
@@ -364,7 +406,7 @@ def llama_round_trip(rank: int, world: int, pretrained: str, tokens: torch.Tenso
     with torch.device("meta"):
         model = LlamaForCausalLM(config)
     graphshard.shard(model)
-    names = checkpoint.load_pretrained(model, pretrained, init_fn=model._init_weights)
+    names = checkpoint.load_pretrained(model, pretrained)  # rotary buffers: as transformers does
     with torch.no_grad():
         logits = model(tokens).logits
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
@@ -396,7 +438,7 @@ def load_renamed_pretrained(rank: int, world: int, directories: dict[str, str],
             model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(directory))
         graphshard.shard(model)
         try:
-            checkpoint.load_pretrained(model, directory, init_fn=model._init_weights)
+            checkpoint.load_pretrained(model, directory)
         except checkpoint.CheckpointError as exc:
             results[name] = str(exc)
             continue

@@ -89,8 +89,9 @@ def _pretrained_llama(path, tokens, tied: bool, max_shard_size: str) -> dict:
 @pytest.fixture(scope="module")
 def ws2(saved, hf, tmp_path_factory):
     """One world-size-2 run for: load_pretrained's memory (first, in a fresh process), FSDP2
-    interop, async save, the tied Llama round trip (saved again as a checkpoint) and a tiny
-    run of the sync/async save benchmark."""
+    interop, async save, a tiny run of the sync/async save benchmark, a load into a model
+    never materialised, the tied Llama round trip (saved again as a checkpoint) and a sharded
+    Llama's save_pretrained."""
     from safetensors.torch import save_file
 
     root = saved[0]
@@ -102,10 +103,13 @@ def ws2(saved, hf, tmp_path_factory):
     checks = [("pretrained_memory", (str(big), BIG_LAYERS, BIG_DIM)),
               ("fsdp2_interop", (str(root),)),
               ("async_save", (str(root),)),
-              ("save_bench", (str(tmp_path_factory.mktemp("bench")),))]
+              ("save_bench", (str(tmp_path_factory.mktemp("bench")),)),
+              ("load_into_meta", (str(root),))]
     if hf is not None:
         checks.append(("llama_round_trip", (str(hf["tied"]["path"]), hf["tokens"],
                                             str(root / "llama-ckpt"))))
+        checks.append(("save_pretrained_refused",
+                       (str(tmp_path_factory.mktemp("hf-out") / "llama"),)))
     return run_local(workers.run_checks, 2, checks), big
 
 
@@ -500,7 +504,7 @@ def test_load_pretrained_into_unsharded_and_materialised_models(hf):
     original = _llama(tied=False)
     with torch.device("meta"):
         meta = _llama(tied=False)
-    checkpoint.load_pretrained(meta, path, init_fn=meta._init_weights)
+    checkpoint.load_pretrained(meta, path)  # rotary buffers computed as transformers does
     real = _llama(tied=False, seed=1)  # loaded in place, over other weights
     params = {n: p for n, p in real.named_parameters()}
     checkpoint.load_pretrained(real, path)
@@ -516,10 +520,6 @@ def test_load_pretrained_bad_input(hf, tmp_path):
     from safetensors.torch import save_file
 
     path = hf["untied"]["path"]
-    with torch.device("meta"):
-        model = _llama(tied=False)
-    with pytest.raises(checkpoint.CheckpointError, match="init_fn=model._init_weights"):
-        checkpoint.load_pretrained(model, path)  # rotary frequencies: computed, not saved
     with torch.device("meta"):
         tied = _llama(tied=True)
     with pytest.warns(UserWarning, match=r"\['model.embed_tokens.weight', 'lm_head.weight'\] "
@@ -595,6 +595,91 @@ def test_safetensors_reader_matches_the_reference_implementation(tmp_path):
                 rows = (1, min(3, tensor.shape[0])) if tensor.shape[0] else (0, 0)
                 assert torch.equal(safetensors_io.read(infos[name], rows),
                                    f.get_slice(name)[rows[0]:rows[1]])
+
+
+def test_load_pretrained_buffers_of_other_models_need_init_fn(tmp_path):
+    # Only a transformers model says how its non-persistent buffers are computed; any other
+    # model's come from init_fn, and one init_fn leaves unwritten is an error, not garbage.
+    from safetensors.torch import save_file
+
+    class Scaled(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = nn.Linear(4, 4)
+            self.register_buffer("scale", torch.full((4,), 2.0), persistent=False)
+
+    save_file(Scaled().state_dict(), str(tmp_path / "s.safetensors"))
+    with torch.device("meta"):
+        model = Scaled()
+    with pytest.raises(checkpoint.CheckpointError, match=r"\['scale'\] are on the meta device.*"
+                       "pass init_fn="):
+        checkpoint.load_pretrained(model, tmp_path / "s.safetensors")
+    with pytest.raises(checkpoint.CheckpointError, match=r"\['Scaled.scale'\].*not computed"):
+        checkpoint.load_pretrained(model, tmp_path / "s.safetensors", init_fn=lambda m: None)
+
+    def init(module):
+        if isinstance(module, Scaled):
+            module.scale.fill_(2.0)
+
+    with torch.device("meta"):
+        model = Scaled()
+    checkpoint.load_pretrained(model, tmp_path / "s.safetensors", init_fn=init)
+    assert torch.equal(model.scale, torch.full((4,), 2.0))
+
+
+def test_load_pretrained_llama_with_init_fn_still_uses_it(hf):
+    # init_fn, when given, computes the buffers of a transformers model too.
+    calls = []
+    with torch.device("meta"):
+        model = _llama(tied=False)
+
+    def init(module):
+        calls.append(type(module).__name__)
+        model._init_weights(module)
+
+    checkpoint.load_pretrained(model, hf["untied"]["path"], init_fn=init)
+    assert calls == ["LlamaRotaryEmbedding"]
+    torch.testing.assert_close(model.model.rotary_emb.inv_freq,
+                               _llama(tied=False).model.rotary_emb.inv_freq, atol=0, rtol=0)
+
+
+def test_load_into_a_model_never_materialised_names_materialize(saved, ws2):
+    for result in [r["load_into_meta"] for r in ws2[0]]:  # every rank
+        assert "meta device" in result["error"] and "graphshard.materialize(model)" in \
+            result["error"], result["error"]
+        assert not [w for w in result["warnings"] if "no-op" in w], result["warnings"]
+    with torch.device("meta"):
+        model = _plain_zoo()  # unsharded: to_empty is the way
+    with pytest.raises(checkpoint.CheckpointError, match=r"model.to_empty\(device=\.\.\.\)"):
+        checkpoint.load(saved[0] / "ckpt", model)
+
+
+def test_save_pretrained_of_a_sharded_model_is_refused_on_every_rank(hf, ws2):
+    results = [r["save_pretrained_refused"] for r in ws2[0]]
+    for result in results:
+        assert result["error"] is not None and "graphshard.checkpoint.export" in result["error"]
+        assert "save_pretrained cannot write a LlamaForCausalLM sharded by graphshard" in \
+            result["error"]
+        assert result["written"] is None  # nothing written: not even config.json
+        assert result["grads"]
+
+
+def test_load_from_a_folder_of_checkpoints_lists_them(tmp_path, capsys):
+    import os
+
+    run = tmp_path / "run"
+    for name, mtime in [("step-20", 2_000_000_000), ("step-100", 2_000_000_100)]:
+        checkpoint.save(run / name, _plain_zoo(), step=int(name[5:]))
+        os.utime(run / name / checkpoint.MANIFEST, (mtime, mtime))
+    (run / "step-200.tmp-0123").mkdir()  # an unfinished save is not offered
+    (run / "notes.txt").write_text("not a checkpoint")
+    expected = (rf"{run} is not a checkpoint but a folder holding 2 checkpoints \(step-20, "
+                rf"step-100; newest last\): pass one of them, e.g. {run / 'step-100'}")
+    with pytest.raises(checkpoint.CheckpointError, match=expected) as info:
+        checkpoint.load(run, _plain_zoo())
+    assert not isinstance(info.value, checkpoint.IncompleteCheckpointError)
+    assert cli_main(["export", str(run), str(tmp_path / "o.safetensors")]) == 1
+    assert "folder holding 2 checkpoints" in capsys.readouterr().err
 
 
 # --------------------------------------------------------------------------- bad input

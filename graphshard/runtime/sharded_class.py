@@ -39,7 +39,22 @@ def sharded_class(cls: type, param_names: tuple[str, ...]) -> type:
         # RNNs cache their parameter objects at construction; read them through the
         # properties instead, or the cached, unsharded originals would be used.
         attributes.update(rnn_weight_cache_overrides(_rnn_flat_weights))
-    return type(f"Sharded{cls.__name__}", (cls,), attributes)
+    name = f"Sharded{cls.__name__}"
+    if hasattr(cls, "save_pretrained"):
+        attributes["save_pretrained"] = _refuse_save_pretrained
+        # A Hugging Face model keeps its class's names: transformers finds a model's key
+        # conversions, loss and attention code by its class name and module.
+        name = cls.__name__
+        attributes.update(__module__=cls.__module__, __qualname__=cls.__qualname__)
+    return type(name, (cls,), attributes)
+
+
+def _refuse_save_pretrained(self, *args, **kwargs) -> None:
+    """Hugging Face's save_pretrained cannot store a sharded model (it fails on one rank and
+    writes no weights): refused on every rank, naming the way that works."""
+    from graphshard.checkpoint.transformers_models import save_pretrained_refusal
+
+    raise save_pretrained_refusal(self)
 
 
 def _local_shard(module: nn.Module, name: str) -> LocalShard:
