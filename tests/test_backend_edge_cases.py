@@ -214,6 +214,7 @@ def _square_mean(out, x):
     return out.square().mean()
 
 
+@pytest.mark.slow
 def test_an_rnn_inside_a_compiled_model_trains_like_the_reference_across_batch_sizes():
     # Dynamo runs the RNNs eagerly; their parameter reads, and the LSTM kernel's dispatch on
     # the gathered weights, must run eagerly (not be compiled as frames of their own: the
@@ -262,6 +263,7 @@ def _varying_batch_data(step):
     return (torch.randn((6, 10, 14)[step], 32, generator=torch.Generator().manual_seed(step)),)
 
 
+@pytest.mark.slow
 def test_dynamic_shapes_with_uneven_shards_train_like_the_reference_under_inductor():
     # dynamic=True: the batch is symbolic, the shards keep static shapes (a symbolic shard size
     # reached the collectives' padding on the short-shard rank); native transports, the NCCL path

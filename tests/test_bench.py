@@ -132,6 +132,7 @@ def _profiled_graphshard_step(rank: int, world: int) -> dict:
     return asdict(analyze(prof, world)) | {"predicted_peak_bytes": predicted}
 
 
+@pytest.mark.slow
 def test_collectives_counted_per_step_for_graphshard_match_its_units():
     model = build_workload("transformer", 8, 32, 0, MODEL_ARGS).model
     # One unit per block, plus the embeddings before and norm + head after. Per step: a gather

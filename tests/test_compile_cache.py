@@ -13,6 +13,7 @@ from __future__ import annotations
 import functools
 import os
 
+import pytest
 import torch
 
 from graphshard.tools.launch import run_local
@@ -50,6 +51,7 @@ def _compile_and_step(rank: int, world: int, cache_dir: str, option_sets: tuple 
     return results
 
 
+@pytest.mark.slow
 def test_second_run_is_served_from_the_compile_caches(tmp_path):
     cache = str(tmp_path / "inductor")
     # Two ranks with shards of different sizes (TinyGPT's rows are odd): each rank's entry is

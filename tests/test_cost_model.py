@@ -380,6 +380,7 @@ def test_fit_alpha_beta_recovers_line():
         cm.fit_alpha_beta([(1024, 1e-3)], world_size=2)
 
 
+@pytest.mark.slow
 def test_calibrate_two_gloo_processes(tmp_path):
     samples = []
     # sizes far apart (1 KiB, 8 MiB): on a shared, noisy machine 1 MiB can time like 1 KiB

@@ -424,6 +424,7 @@ def _reload(rank: int, world: int, directory: str) -> dict:
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
+    # Its first launch compiles with Inductor: the tests that read it are marked slow.
     directory = str(tmp_path_factory.mktemp("everyday"))
     first = run_local(_everyday, 2, directory)
     return first, run_local(_reload, 2, directory)
@@ -441,6 +442,7 @@ def _steps_match(a, b) -> bool:
         _same(grads_a[n], grads_b[n]) for n in grads_a)
 
 
+@pytest.mark.slow
 def test_full_state_dict_loads_in_place_and_the_compiled_model_reads_it(runs):
     target = _zoo(1).state_dict()
     for rank, strategy, r in _each(runs):
@@ -454,6 +456,7 @@ def test_full_state_dict_loads_in_place_and_the_compiled_model_reads_it(runs):
         assert not _same(r["compiled_before"], r["target_out"]), where
 
 
+@pytest.mark.slow
 def test_freezing_and_unfreezing_after_shard_take_effect_in_the_compiled_step(runs):
     # The compiled graph reads a plain leaf per parameter, not the parameter: a requires_grad
     # changed after shard() must still reach it (it recompiles), or a frozen module would keep
@@ -469,6 +472,7 @@ def test_freezing_and_unfreezing_after_shard_take_effect_in_the_compiled_step(ru
                 assert _same(got[name], want[name]), (rank, phase, name)
 
 
+@pytest.mark.slow
 def test_weights_edited_through_attributes_reach_the_shards_and_the_compiled_step(runs):
     # Reading module.weight gathers a copy: an edit of that copy (nn.init, .data.copy_, a
     # padding row zeroed) must be written back to the shard, or it is silently lost; a
@@ -491,6 +495,7 @@ def test_weights_edited_through_attributes_reach_the_shards_and_the_compiled_ste
                 ) in result["reshaped_error"], result
 
 
+@pytest.mark.slow
 def test_a_read_of_module_weight_behaves_like_the_weight(runs):
     for result in runs[0]:
         checks = result["attribute_reads"]
@@ -504,6 +509,7 @@ def test_a_read_of_module_weight_behaves_like_the_weight(runs):
         assert checks["deepcopy"] is torch.Tensor  # the values, not the module behind them
 
 
+@pytest.mark.slow
 def test_an_optimizer_built_before_shard_trains_the_shards_and_a_cast_after_shard_holds(runs):
     for result in runs[0]:
         checks = result["setup_order"]
@@ -537,6 +543,7 @@ def _initial_block_weight() -> torch.Tensor:
     return _zoo(0).block.weight.detach()
 
 
+@pytest.mark.slow
 def test_bad_keys_are_named_as_torch_names_them(runs):
     for rank, strategy, r in _each(runs):
         where = (rank, strategy)
@@ -550,6 +557,7 @@ def test_bad_keys_are_named_as_torch_names_them(runs):
         assert r["non_strict"].missing_keys == ["gate.bias"], where
 
 
+@pytest.mark.slow
 def test_dtensor_state_dict_round_trips(runs):
     for rank, strategy, r in _each(runs):
         assert r["state_dict_types"] == ["DTensor"], (rank, strategy)
@@ -558,6 +566,7 @@ def test_dtensor_state_dict_round_trips(runs):
             assert _same(value, r["full_after"][name]), (rank, strategy, name)
 
 
+@pytest.mark.slow
 def test_full_state_dict_out_on_rank0_or_everywhere(runs):
     target = _zoo(1).state_dict()
     for rank, strategy, r in _each(runs):
@@ -572,6 +581,7 @@ def test_full_state_dict_out_on_rank0_or_everywhere(runs):
         assert r["property_gathers"] == 2 * len(in_submodules), where
 
 
+@pytest.mark.slow
 def test_full_state_dict_in_from_rank0(runs):
     target = _zoo(1).state_dict()
     for rank, strategy, r in _each(runs):
@@ -580,6 +590,7 @@ def test_full_state_dict_in_from_rank0(runs):
             assert _same(value, target[name]), (rank, strategy, name)
 
 
+@pytest.mark.slow
 def test_meta_model_never_materialised_names_parameters_and_materialize(runs):
     for rank, strategy, r in _each(runs):
         for key in ("eager_error", "compiled_error"):
@@ -589,6 +600,7 @@ def test_meta_model_never_materialised_names_parameters_and_materialize(runs):
             assert "graphshard.materialize(model)" in message, (rank, strategy, key)
 
 
+@pytest.mark.slow
 def test_full_weights_assigned_into_a_meta_model(runs):
     for rank, strategy, r in _each(runs):
         where = (rank, strategy)
@@ -600,6 +612,7 @@ def test_full_weights_assigned_into_a_meta_model(runs):
         assert _steps_match(r["assign_step"], r["target_step"]), where
 
 
+@pytest.mark.slow
 def test_deepcopy_is_independent(runs):
     for rank, strategy, r in _each(runs):
         where = (rank, strategy)
@@ -610,6 +623,7 @@ def test_deepcopy_is_independent(runs):
         assert _steps_match(r["twin_step"], r["step"]), where
 
 
+@pytest.mark.slow
 def test_pickled_model_loads_and_trains(runs):
     for rank, strategy, r in _each(runs):
         assert r["reloaded_leaves_bound"], (rank, strategy)
@@ -621,6 +635,7 @@ def test_pickled_model_loads_and_trains(runs):
             assert _steps_match(r["step"], r["expected"]), (rank, strategy)
 
 
+@pytest.mark.slow
 def test_wrapped_or_foreign_sharded_models_are_refused(runs):
     for errors in (result["wrappers"] for result in runs[0]):
         assert errors["ddp"].startswith("ValueError: graphshard.shard: the model "
@@ -657,20 +672,32 @@ def _hugging_face_model(kind: str) -> nn.Module:
                                       bos_token_id=0, eos_token_id=0))  # tied head
 
 
-def _reinitialised(rank: int, world: int, kind: str) -> dict[str, torch.Tensor]:
-    model = graphshard.shard(_hugging_face_model(kind))
-    torch.manual_seed(1)
-    model.apply(model._init_weights)  # Hugging Face's init, after sharding
-    return _full_params(model)
+HF_KINDS = ("llama", "gpt2")
 
 
-@pytest.mark.parametrize("kind", ["llama", "gpt2"])
-def test_hugging_face_init_weights_after_shard_gives_the_unsharded_models_weights(kind):
+def _reinitialised(rank: int, world: int) -> dict[str, dict[str, torch.Tensor]]:
+    reinitialised = {}
+    for kind in HF_KINDS:
+        model = graphshard.shard(_hugging_face_model(kind))
+        torch.manual_seed(1)
+        model.apply(model._init_weights)  # Hugging Face's init, after sharding
+        reinitialised[kind] = _full_params(model)
+    return reinitialised
+
+
+@pytest.fixture(scope="module")
+def reinitialised() -> list[dict[str, dict[str, torch.Tensor]]]:
+    return run_local(_reinitialised, 2)  # one launch for every kind
+
+
+@pytest.mark.parametrize("kind", HF_KINDS)
+def test_hugging_face_init_weights_after_shard_gives_the_unsharded_models_weights(kind,
+                                                                                 reinitialised):
     reference = _hugging_face_model(kind)
     before = {n: p.detach().clone() for n, p in reference.named_parameters()}
     torch.manual_seed(1)
     reference.apply(reference._init_weights)
     assert any(not torch.equal(before[n], p) for n, p in reference.named_parameters())
-    for params in run_local(_reinitialised, 2, kind):
+    for params in (per_rank[kind] for per_rank in reinitialised):
         for name, value in reference.named_parameters():
             assert torch.equal(params[name], value), name

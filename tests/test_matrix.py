@@ -121,14 +121,15 @@ def _check(config: Config, world: int, run) -> str:
     return f"{config} world {world}: vs fp32 {ours}, eager bf16 vs fp32 {eager_bf16}"
 
 
-def _groups(per_spawn: int = 4):
-    """Rows of one world size, a few per spawned process group (one Inductor compile each)."""
+def _groups():
+    """The rows of each world size, all in one spawned process group (one Inductor compile per
+    row and rank; a spawn's ranks start their compile workers once)."""
     for world in sorted({w for w, _ in MATRIX}):
-        rows = [config for w, config in MATRIX if w == world]
-        for start in range(0, len(rows), per_spawn):
-            yield pytest.param(world, rows[start:start + per_spawn], id=f"world{world}-{start}")
+        yield pytest.param(world, [config for w, config in MATRIX if w == world], id=f"world{world}")
 
 
+@pytest.mark.slow
+@pytest.mark.timeout(1200)  # world size 2: seven rows compiled in one spawn
 @pytest.mark.parametrize("world, configs", _groups())
 def test_matrix_matches_single_process_under_inductor(world, configs):
     per_rank = run_local(train, world, [config.training(world) for config in configs])

@@ -109,20 +109,25 @@ def _mlp():
     return torch.nn.Sequential(torch.nn.Linear(6, 10), torch.nn.GELU(), torch.nn.Linear(10, 3))
 
 
-def _float_input_outputs(rank, world, compiled):
-    model = graphshard.shard(_mlp(), param_dtype=torch.bfloat16)
-    fn = torch.compile(model, backend="graphshard", options={"compiler": "eager"}) if compiled else model
-    x = torch.randn(4, 6, generator=torch.Generator().manual_seed(2))  # fp32 input
-    out = fn(x)
-    out.float().square().mean().backward()
-    return out.detach(), all(p.grad is not None for p in model.parameters())
+def _float_input_outputs(rank, world):
+    """Eager, then compiled: (output, every parameter got a gradient) of each."""
+    outputs = []
+    for compiled in (False, True):
+        model = graphshard.shard(_mlp(), param_dtype=torch.bfloat16)
+        fn = (torch.compile(model, backend="graphshard", options={"compiler": "eager"})
+              if compiled else model)
+        x = torch.randn(4, 6, generator=torch.Generator().manual_seed(2))  # fp32 input
+        out = fn(x)
+        out.float().square().mean().backward()
+        outputs.append((out.detach(), all(p.grad is not None for p in model.parameters())))
+    return outputs
 
 
 def test_float_inputs_are_cast_to_param_dtype_like_fsdp2():
     x = torch.randn(4, 6, generator=torch.Generator().manual_seed(2))
     expected = _mlp().to(torch.bfloat16)(x.to(torch.bfloat16))
-    for compiled in (False, True):
-        for out, has_grads in run_local(_float_input_outputs, 2, compiled):
+    for per_rank in run_local(_float_input_outputs, 2):  # one launch for both
+        for compiled, (out, has_grads) in zip((False, True), per_rank):
             assert out.dtype == torch.bfloat16 and has_grads
             assert torch.allclose(out.float(), expected.float(), atol=1e-2), compiled
     with pytest.raises(ValueError, match="cast_forward_inputs must be a bool"):

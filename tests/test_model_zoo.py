@@ -133,6 +133,7 @@ def _check_ran_sharded(config: ZooConfig, results: list[RunResult]) -> None:
     assert _max_diff(results[0].params, results[1].params) == 0  # one model, gathered alike
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("config", [c for c in RUNS if not c.bf16], ids=lambda c: c.label)
 def test_fp32_matches_single_process(zoo, config):
     results, refs = zoo[config], _reference(config)
@@ -149,6 +150,7 @@ def test_fp32_matches_single_process(zoo, config):
         assert _max_diff(result.buffers, ref.buffers) <= FP32_TOL
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("config", [c for c in RUNS if c.bf16], ids=lambda c: c.label)
 def test_bf16_matches_bf16_single_process(zoo, config):
     results, refs, refs32 = zoo[config], _reference(config), _reference(config, False)

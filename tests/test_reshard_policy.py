@@ -142,6 +142,7 @@ def test_bad_reshard_options_are_clear_errors(options, message):
         GraphshardOptions.from_dict(options)
 
 
+@pytest.mark.slow
 def test_reshard_options_match_a_single_process_under_inductor():
     """World size 2, Inductor, gloo: keeping all, some (pattern, with activation checkpointing)
     or the budget's choice of units gathered (with gradient accumulation and the native
