@@ -64,6 +64,18 @@ def _mismatch_message(graph_kind: str, rank: int, mine: list[CollectiveRecord], 
         "options={'check_schedule': False}.")
 
 
+def _wait_until_every_rank_saw_it(store, key: str, rank: int, world_size: int,
+                                  wait_s: float = 30.0) -> None:
+    """Each rank that found the mismatch says so, then waits (briefly) for the others: the store
+    lives in rank 0's process, and a rank raising first must not take it away from a rank still
+    reading the other's schedule."""
+    store.set(f"{key}/{rank}", "1")
+    names = [f"{key}/{r}" for r in range(world_size)]
+    deadline = time.monotonic() + wait_s
+    while not store.check(names) and time.monotonic() < deadline:
+        time.sleep(0.05)
+
+
 def check_schedule(gm: fx.GraphModule, graph_kind: str, *, wait_s: float = WAIT_S) -> None:
     """Raise ScheduleMismatchError unless every other rank compiled (or compiles) a
     `graph_kind` graph with this graph's collective sequence."""
@@ -92,6 +104,8 @@ def check_schedule(gm: fx.GraphModule, graph_kind: str, *, wait_s: float = WAIT_
             # or ahead of this one in the same sequence of compiles, but a different graph
             if theirs != digest and not store.check([has(rank, theirs)]):
                 other_records = _decode(store.get(f"{_PREFIX}/sequence/{theirs}"))
+                _wait_until_every_rank_saw_it(store, f"{_PREFIX}/raised/{graph_kind}",
+                                              rank, dist.get_world_size())
                 raise ScheduleMismatchError(
                     _mismatch_message(graph_kind, rank, records, other, other_records),
                     inspect.currentframe())
