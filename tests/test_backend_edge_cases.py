@@ -315,9 +315,9 @@ def test_inductor_frees_collective_buffers_after_the_wait_and_the_last_reader(gl
 def test_a_buffer_read_by_a_matmul_that_inductor_fuses_into_an_add_is_freed_after_the_add(gloo1):
     """Inductor's post-grad patterns rewrite add(mm(a, w), b) as addmm(b, a, w), placed where the
     add was: a received buffer the matmul reads is read there, so it must be freed after the add.
-    (A user's MLP with residual connections on 2-D activations failed in backward, "The tensor
-    has a non-zero number of elements, but its data is not allocated yet", when the free came
-    right after the matmul.)"""
+    (Freed right after the matmul, an MLP with residual connections on 2-D activations fails in
+    backward: "The tensor has a non-zero number of elements, but its data is not allocated
+    yet".)"""
     from torch._inductor.utils import run_and_get_code
     from torch.fx.experimental.proxy_tensor import make_fx
 

@@ -137,7 +137,7 @@ def test_cluster_option_must_name_a_calibration_file(tmp_path):
 
 
 def test_sparse_embedding_gradients_are_refused_at_shard(fake_pg):
-    # A sparse gradient cannot be reduce-scattered; it used to fail inside the backward.
+    # A sparse gradient cannot be reduce-scattered: refused at shard(), not inside backward.
     model = nn.Sequential(nn.Embedding(16, 8, sparse=True), nn.Linear(8, 4))
     with pytest.raises(ValueError, match=r"'0' is an nn.Embedding with sparse=True.*sparse=False"):
         graphshard.shard(model)

@@ -1,4 +1,4 @@
-"""Everyday calls on a sharded model (issue 17): loading full and DTensor state dicts, getting
+"""Everyday calls on a sharded model: loading full and DTensor state dicts, getting
 the full state dict, torch.save / pickle / deepcopy of the module, wrapped or foreign-sharded
 models refused at shard(), a meta model never materialised, bad backend options.
 

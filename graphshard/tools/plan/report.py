@@ -38,7 +38,7 @@ def table(configs: Sequence[Config], devices: int, cluster, top: int) -> str:
 # Published measurements to print beside a prediction, as a sanity check (not a tuning target).
 PUBLISHED = {
     ("llama3-8b", "h100", 8): (
-        "torchtitan (pytorch/torchtitan issue 1881): Llama-3-8B, 8x H100, FSDP over 8, local "
+        "torchtitan (github.com/pytorch/torchtitan/issues/1881): Llama-3-8B, 8x H100, FSDP over 8, local "
         "batch 1, bf16: about 7,200 tokens/s per GPU at about 41 GiB"),
 }
 
