@@ -28,10 +28,12 @@ class CollectiveRecord:
     group_size: int
     dtype: str
     size: str  # elements exchanged, the same on every rank
-    params: tuple[str, ...]  # the parameters it serves (not digested: names are not sizes)
+    params: tuple[str, ...]  # the parameters it serves: two gathers of equal size swapped
+    # between ranks would pair without error and mix the two parameters' shards
 
     def key(self) -> str:
-        return f"{self.op}:{self.kind}:g{self.group}/{self.group_size}:{self.dtype}:{self.size}"
+        return (f"{self.op}:{self.kind}:g{self.group}/{self.group_size}:{self.dtype}:{self.size}:"
+                + ",".join(self.params))
 
     def describe(self) -> str:
         served = ", ".join(self.params[:3]) + (f" and {len(self.params) - 3} more"
@@ -42,8 +44,10 @@ class CollectiveRecord:
 
 def _size(node: fx.Node) -> str:
     if node.target is ALL_TO_ALL:
-        # this rank's own chunk may be left out of the exchange: the splits' multiset is the same
-        return "+".join(str(s) for s in sorted(node.args[1], key=str))
+        # The chunk each pair of ranks exchanges. Some ranks leave their own chunk out (a split
+        # of 0: the first and last rank of the group, not the middle ones), which no peer sees.
+        chunks = sorted({str(s) for s in node.args[1]} - {"0"})
+        return "chunk " + "/".join(chunks)
     if node.target is ALL_REDUCE:
         return "shard"  # a hybrid replica all-reduce of the rank's shard: sizes differ by replica
     value = node.args[0].meta.get("val")

@@ -616,6 +616,9 @@ def test_all_to_all_keeps_each_ranks_own_chunk_local_and_the_results_unchanged(w
         assert len(copy_out.args[0]) == (2 if rank in (0, world - 1) else 3)  # row blocks
         graphs.append(gm)
         inputs.append([rows_of(full[name], rank) for name, _, _ in params])
+    # the schedule check sees one schedule on every rank: first, middle and last alike
+    from graphshard.passes.schedule_digest import collective_sequence, schedule_digest
+    assert len({schedule_digest(collective_sequence(gm)) for gm in graphs}) == 1
     for rank, outputs in enumerate(_run_ranks(graphs, inputs)):
         for index, (name, _, _) in enumerate(params):
             product, grad = outputs[2 * index], outputs[2 * index + 1]
@@ -852,3 +855,21 @@ def test_a_send_buffer_outlives_every_reader_of_the_parts_concatenated_into_it(f
         assert order[free] > max([order[wait], *(order[u] for u in part_readers)])
         if not late:
             assert free.prev is wait
+
+
+def test_the_schedule_digest_tells_apart_schedules_that_would_pair_wrongly():
+    """Another bucket size, another order of the same collectives (equal sizes: they would pair
+    without error and mix two parameters' shards), or one collective more: each is another
+    digest, and the record names the parameters each collective serves."""
+    from graphshard.passes.schedule_digest import collective_sequence, schedule_digest
+
+    params = [("layers.0.a", (8, 4), torch.float32), ("layers.1.a", (8, 4), torch.float32)]
+    base = collective_sequence(bucket_collectives(gather_graph(4, params), ctx(bucket_mb=64)))
+    assert [r.params for r in base] == [("layers.0.a",), ("layers.1.a",)]
+    wider = collective_sequence(bucket_collectives(
+        gather_graph(4, [("layers.0.a", (8, 8), torch.float32), params[1]]), ctx(bucket_mb=64)))
+    more = collective_sequence(bucket_collectives(
+        gather_graph(4, params + [("layers.2.a", (8, 4), torch.float32)]), ctx(bucket_mb=64)))
+    digests = {schedule_digest(base), schedule_digest(wider), schedule_digest(more),
+               schedule_digest(base[::-1])}
+    assert len(digests) == 4
