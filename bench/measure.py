@@ -30,7 +30,7 @@ from typing import Iterator
 
 from torch.profiler import ProfilerActivity, profile, record_function
 
-from graphshard._torch_compat import count_cpu_frees_on_every_thread as count_frees_on_every_thread
+from graphshard._torch_compat import count_cpu_frees_on_every_thread as count_frees_on_every_thread  # noqa: F401
 from graphshard._torch_compat import cpu_allocations
 
 STEP_MARK = "bench::measured_step"

@@ -10,6 +10,7 @@ from contextlib import contextmanager
 from typing import Any, Callable, Sequence
 
 import torch
+import torch.distributed as dist
 import torch.fx as fx
 
 
@@ -231,6 +232,13 @@ def process_group_rank(group_name: str) -> int:
     from torch.distributed.distributed_c10d import _resolve_process_group
 
     return _resolve_process_group(group_name).rank()
+
+
+def process_group_ranks(group_name: str) -> list[int]:
+    """The global ranks of a live process group known only by its name (as above)."""
+    from torch.distributed.distributed_c10d import _resolve_process_group
+
+    return dist.get_process_group_ranks(_resolve_process_group(group_name))
 
 
 def backward_compiled_with_forward():

@@ -21,3 +21,13 @@ def transformers_names(module: str, *names: str) -> tuple[Any, ...] | None:
         return tuple(getattr(found, name) for name in names)
     except (ImportError, AttributeError):
         return None
+
+
+def is_transformers_class(cls: type) -> bool:
+    """Whether `cls` is a Hugging Face model class (a PreTrainedModel)."""
+    pretrained = transformers_names("transformers", "PreTrainedModel")
+    return pretrained is not None and issubclass(cls, pretrained[0])
+
+
+def is_transformers_model(model: Any) -> bool:
+    return is_transformers_class(type(model))

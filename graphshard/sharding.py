@@ -18,6 +18,7 @@ import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
+from graphshard._transformers import is_transformers_model
 from graphshard._torch_compat import is_norm_with_running_stats, tree_map
 from graphshard.early_optimizers import remember_replacement, update_live_optimizers
 from graphshard.passes.markers import UnshardSpec
@@ -198,8 +199,9 @@ def shard(
             remember_replacement(param, new_param)  # for an optimizer created before shard()
         module._parameters[name] = sharded[id(param)]
         per_module.setdefault(module, {})[name] = specs[id(param)]
-    if hasattr(model, "save_pretrained"):  # a root without parameters of its own, too
-        per_module.setdefault(model, {})
+    for module in model.modules():  # every Hugging Face model in it refuses save_pretrained,
+        if is_transformers_model(module):  # one without parameters of its own (the root) too
+            per_module.setdefault(module, {})
     state = ShardState(mesh, strategy, policy)
     for module, module_specs in per_module.items():
         object.__setattr__(module, MODULE_ATTR, ModuleShards(module_specs, {}, state))

@@ -161,9 +161,9 @@ class _PenalisedInForward(nn.Module):
 
 
 def test_parameters_read_through_parameters_in_forward_are_named(fake_pg):
-    # They are this rank's shards, not the weights: the error used to come from torch, in
-    # backward, as "got mixed torch.Tensor and DTensor". Default options (Inductor): the check
-    # runs before anything is compiled.
+    # They are this rank's shards, not the weights: without the check the error comes from
+    # torch, in backward, as "got mixed torch.Tensor and DTensor". Default options (Inductor):
+    # the check runs before anything is compiled.
     compiled = torch.compile(graphshard.shard(_PenalisedInForward()), backend="graphshard")
     with pytest.raises(Exception, match=r"forward reads parameter\(s\) lin.weight, lin.bias "
                                         r"through module.parameters\(\).*module attributes"):

@@ -13,15 +13,10 @@ from typing import Callable, Iterator
 import torch
 import torch.nn as nn
 
-from graphshard._transformers import transformers_names
+from graphshard._transformers import is_transformers_model, transformers_names
 from graphshard.checkpoint.errors import CheckpointError
 
 _INITIALISED = "_is_hf_initialized"  # transformers' mark: "loaded, do not initialise again"
-
-
-def is_transformers_model(model: nn.Module) -> bool:
-    pretrained = transformers_names("transformers", "PreTrainedModel")
-    return pretrained is not None and isinstance(model, pretrained[0])
 
 
 def _needs_transformers_5(what: str, exc: ImportError) -> CheckpointError:

@@ -10,6 +10,7 @@ What AOTAutograd may cache is decided in compile_cache.py.
 
 from __future__ import annotations
 
+import hashlib
 import inspect
 from typing import Any, Sequence
 
@@ -25,7 +26,7 @@ from graphshard.compiler.cost_model import ClusterSpec
 from graphshard.compiler.dynamo_graph import SplitContext, has_markers, split_context
 from graphshard.compiler.options import GraphshardOptions
 from graphshard.compiler.partition import partition
-from graphshard.compiler.schedule_check import check_schedule
+from graphshard.compiler.schedule_check import check_schedule, record_served_from_cache
 # Importable from here too: the planner reads the joint graph's state with these, and the
 # stage list is what `graphshard dump` and the tests name stages by.
 from graphshard.compiler.partition import gradient_bytes, model_state_bytes, trainable_reads  # noqa: F401
@@ -89,12 +90,14 @@ class GraphshardCompiler:
         """AOTAutograd's partition_fn (partition.partition)."""
         return partition(self, joint, joint_inputs, **kwargs)
 
-    def _graph_compiler(self, graph_kind: str, split: SplitContext):
+    def _graph_compiler(self, graph_kind: str, split: SplitContext, dynamo_key: str,
+                        compiled: list[str]):
         def compile_graph(gm: fx.GraphModule, example_inputs: Sequence[Any]):
+            compiled.append(graph_kind)
             gm = run_pipeline(gm, self.context(graph_kind, split), self.observer)
             self.graph_memory[graph_kind] = graph_memory(gm, graph_kind)
             if self.options.check_schedule:
-                check_schedule(gm, graph_kind)
+                check_schedule(gm, graph_kind, dynamo_key=dynamo_key)
             if self.options.compiler == "eager":
                 return compat.boxed(gm.forward)
             # Inductor mutates the graph it compiles; observers already hold their copies.
@@ -113,7 +116,10 @@ class GraphshardCompiler:
         check_gathered_weights_not_edited(gm)
         gm = run_pipeline(gm, self.context("dynamo"), self.observer)
         split = self.split_context = split_context(gm, self.options)
-        compilers = {kind: self._graph_compiler(kind, split)
+        # what identifies this compile on every rank, whether it runs or comes from the cache
+        dynamo_key = hashlib.sha256(f"{gm.code}{self.options}".encode()).hexdigest()[:24]
+        compiled: list[str] = []
+        compilers = {kind: self._graph_compiler(kind, split, dynamo_key, compiled)
                      for kind in ("forward", "backward", "inference")}
         if (reuses_cache(self.options, aot_cache=self.aot_cache, observed=self.observer is not None)
                 and salt_cache_key(gm, self.options, self.cluster, split)):
@@ -127,7 +133,10 @@ class GraphshardCompiler:
             keep_inference_input_mutations=True,
         )
         with compat.fake_mode_of_inputs(example_inputs), compat.lazy_graph_modules():
-            return backend(gm, example_inputs)
+            compiled_fn = backend(gm, example_inputs)
+        if self.options.check_schedule and not compiled:  # served by AOTAutograd's cache
+            record_served_from_cache(dynamo_key)
+        return compiled_fn
 
 
 class OptionsError(ValueError, compat.short_traceback_error()):

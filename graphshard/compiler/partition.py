@@ -19,7 +19,7 @@ from graphshard.compiler.pipeline import run_pipeline
 from graphshard.passes.graph_utils import is_reduce_grad, is_unshard, tensor_bytes
 from graphshard.passes.liveness import step_memory
 from graphshard.passes.markers import ReduceSpec, UnshardSpec
-from graphshard.compiler.rank_agreement import decision_key, first_decision
+from graphshard.compiler.rank_agreement import agreed_minimum, decision_key, first_decision
 from graphshard.passes.reshard_policy import (keeping_costs_peak_memory, last_forward_unit,
                                               params_to_keep, rank_units_to_keep,
                                               tag_reshard_policy, unit_costs)
@@ -69,8 +69,8 @@ def choose_kept_units(compiler: GraphshardCompiler, joint: fx.GraphModule, joint
     keep the longest prefix of that ranking whose predicted peak, by the same passes and
     memory model as `graphshard dump`, fits memory_budget_mb (the whole ranking first,
     then a binary search: each probe partitions and estimates the step once). Ranks agree
-    on the prefix length: the minimum over ranks (the ranking itself uses only
-    rank-invariant sizes)."""
+    on the prefix length: the minimum over ranks, kept for a rank that later recompiles
+    alone (the ranking itself uses only rank-invariant sizes)."""
     free = last_forward_unit(joint)  # kept at no cost in peak memory, as by default
     names = unshard_specs(joint)
     options, cluster = compiler.options, compiler.cluster
@@ -90,14 +90,21 @@ def choose_kept_units(compiler: GraphshardCompiler, joint: fx.GraphModule, joint
     ranked = rank_units_to_keep(unit_costs(joint, regathered, lambda nbytes, group_size:
                                            collective_time("all_gather", nbytes, group_size,
                                                            cluster)))
-    if base_peak > budget:
-        warnings.warn(f"graphshard: memory_budget_mb={options.memory_budget_mb} is below "
-                      f"the predicted peak with every unit resharded ({base_peak / 2**20:.1f} "
-                      "MiB): no unit is kept gathered beyond the default")
-        ranked = []
-    fits = longest_fitting_prefix(
-        len(ranked), lambda n: predicted_peak(keep_set(ranked[:n]))[0], budget)
-    return keep_set(ranked[:agree_on_minimum(fits)])
+
+    def longest_prefix_that_fits() -> int:
+        if base_peak > budget:
+            warnings.warn(f"graphshard: memory_budget_mb={options.memory_budget_mb} is below "
+                          f"the predicted peak with every unit resharded "
+                          f"({base_peak / 2**20:.1f} MiB): no unit is kept gathered beyond the "
+                          "default")
+            return 0
+        return longest_fitting_prefix(
+            len(ranked), lambda n: predicted_peak(keep_set(ranked[:n]))[0], budget)
+
+    # decided on the local batch: the minimum over ranks, taken once, for a recompile too
+    fits = agreed_minimum(decision_key(joint, names, ("auto", options.memory_budget_mb)),
+                          longest_prefix_that_fits, agree_on_minimum)
+    return keep_set(ranked[:fits])
 
 
 def agree_on_minimum(value: int) -> int:

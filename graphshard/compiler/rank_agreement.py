@@ -44,3 +44,19 @@ def first_decision(key: str, decide: Callable[[], bool]) -> bool:
     mine = b"1" if decide() else b"0"
     # atomic: set only where no rank has published yet; returns the value that won
     return store.compare_set(name, "", mine) == b"1"
+
+
+def agreed_minimum(key: str, measure: Callable[[], int],
+                   all_reduce_min: Callable[[int], int]) -> int:
+    """The minimum over ranks of `measure()`, taken by `all_reduce_min` (a collective) at the
+    first compile, where every rank compiles, and published under `key`: a rank that later
+    recompiles alone reads it instead of joining a collective no other rank joins. No rank
+    can publish before every rank has joined the first collective, so none reads too early."""
+    if not dist.is_initialized() or dist.get_world_size() == 1 or dist.get_backend() == "fake":
+        return measure()
+    store, name = compat.default_store(), f"{_PREFIX}/minimum/{key}"
+    if store.check([name]):
+        return int(store.get(name))
+    agreed = all_reduce_min(measure())
+    store.set(name, str(agreed))
+    return agreed

@@ -19,6 +19,7 @@ import torch.distributed as dist
 import torch.fx as fx
 
 from graphshard import _torch_compat as compat
+from graphshard.passes.graph_utils import collective_group, is_collective
 from graphshard.passes.schedule_digest import CollectiveRecord, collective_sequence, schedule_digest
 
 WAIT_S = 300.0  # for another rank to compile the same graph (its compile may start later)
@@ -64,37 +65,60 @@ def _mismatch_message(graph_kind: str, rank: int, mine: list[CollectiveRecord], 
         "options={'check_schedule': False}.")
 
 
-def _wait_until_every_rank_saw_it(store, key: str, rank: int, world_size: int,
+def _wait_until_every_rank_saw_it(store, key: str, rank: int, peers: list[int],
                                   wait_s: float = 30.0) -> None:
     """Each rank that found the mismatch says so, then waits (briefly) for the others: the store
     lives in rank 0's process, and a rank raising first must not take it away from a rank still
     reading the other's schedule."""
     store.set(f"{key}/{rank}", "1")
-    names = [f"{key}/{r}" for r in range(world_size)]
+    names = [f"{key}/{r}" for r in peers]
     deadline = time.monotonic() + wait_s
     while not store.check(names) and time.monotonic() < deadline:
         time.sleep(0.05)
 
 
-def check_schedule(gm: fx.GraphModule, graph_kind: str, *, wait_s: float = WAIT_S) -> None:
-    """Raise ScheduleMismatchError unless every other rank compiled (or compiles) a
-    `graph_kind` graph with this graph's collective sequence."""
+def _cached(rank: int, dynamo_key: str) -> str:
+    return f"{_PREFIX}/cached/{rank}/{dynamo_key}"
+
+
+def record_served_from_cache(dynamo_key: str) -> None:
+    """This rank loaded the compile of the Dynamo graph `dynamo_key` from the compile caches
+    (no graph of ours ran, so no digest): peers compiling the same graph accept that."""
+    if dist.is_initialized() and dist.get_world_size() > 1 and dist.get_backend() != "fake":
+        compat.default_store().set(_cached(dist.get_rank(), dynamo_key), "1")
+
+
+def _peers(gm: fx.GraphModule, rank: int) -> list[int]:
+    """The other ranks of the groups this graph's collectives run on (a mesh may span only
+    part of the world: a pipeline stage, one of two models)."""
+    ranks = {r for node in gm.graph.nodes if is_collective(node)
+             for r in compat.process_group_ranks(collective_group(node)[0])}
+    return sorted(ranks - {rank})
+
+
+def check_schedule(gm: fx.GraphModule, graph_kind: str, *, dynamo_key: str | None = None,
+                   wait_s: float = WAIT_S) -> None:
+    """Raise ScheduleMismatchError unless every rank this graph exchanges with compiled (or
+    compiles) a `graph_kind` graph with this graph's collective sequence, or loaded the same
+    Dynamo graph's compile (`dynamo_key`) from its compile caches."""
     # a fake process group (graphshard dump, the planner) is one process: no other rank to ask
     if not dist.is_initialized() or dist.get_world_size() == 1 or dist.get_backend() == "fake":
         return
     records = collective_sequence(gm)
     digest, rank = schedule_digest(records), dist.get_rank()
+    peers = _peers(gm, rank)
     store = compat.default_store()
     has = lambda r, d: f"{_PREFIX}/has/{graph_kind}/{r}/{d}"  # noqa: E731
     latest = lambda r: f"{_PREFIX}/latest/{graph_kind}/{r}"  # noqa: E731
     store.set(f"{_PREFIX}/sequence/{digest}", _encode(records))
     store.set(has(rank, digest), "1")
     store.set(latest(rank), digest)
-    waiting = [r for r in range(dist.get_world_size()) if r != rank]
+    waiting = list(peers)
     deadline, pause = time.monotonic() + wait_s, 0.01
     while waiting:
         for other in list(waiting):
-            if store.check([has(other, digest)]):
+            if store.check([has(other, digest)]) or (
+                    dynamo_key is not None and store.check([_cached(other, dynamo_key)])):
                 waiting.remove(other)
                 continue
             if not store.check([latest(other)]):
@@ -105,7 +129,7 @@ def check_schedule(gm: fx.GraphModule, graph_kind: str, *, wait_s: float = WAIT_
             if theirs != digest and not store.check([has(rank, theirs)]):
                 other_records = _decode(store.get(f"{_PREFIX}/sequence/{theirs}"))
                 _wait_until_every_rank_saw_it(store, f"{_PREFIX}/raised/{graph_kind}",
-                                              rank, dist.get_world_size())
+                                              rank, peers)
                 raise ScheduleMismatchError(
                     _mismatch_message(graph_kind, rank, records, other, other_records),
                     inspect.currentframe())

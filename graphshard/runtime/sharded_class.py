@@ -15,6 +15,7 @@ import torch
 import torch.nn as nn
 from torch.distributed.tensor import DTensor
 
+from graphshard._transformers import is_transformers_class
 from graphshard._torch_compat import rnn_flat_weight_names, rnn_weight_cache_overrides
 from graphshard.compiler.ops import call_unshard
 from graphshard.grad_sync import unshard_for_grad_sync
@@ -40,7 +41,7 @@ def sharded_class(cls: type, param_names: tuple[str, ...]) -> type:
         # properties instead, or the cached, unsharded originals would be used.
         attributes.update(rnn_weight_cache_overrides(_rnn_flat_weights))
     name = f"Sharded{cls.__name__}"
-    if hasattr(cls, "save_pretrained"):
+    if is_transformers_class(cls):
         attributes["save_pretrained"] = _refuse_save_pretrained
         # A Hugging Face model keeps its class's names: transformers finds a model's key
         # conversions, loss and attention code by its class name and module.
