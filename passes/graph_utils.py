@@ -17,6 +17,7 @@ import torch.fx as fx
 from torch.fx.experimental.symbolic_shapes import optimization_hint
 
 from graphshard.passes import meta_keys
+from graphshard.passes.markers import UnshardSpec
 # Fake tensors are how a pass computes the shapes of the nodes it emits (private torch API).
 from graphshard._torch_compat import (fake_mode_of_value, fake_tensor_mode, free_storage_op,
                                       is_op_overload, real_tensors, tree_map_only)
@@ -300,3 +301,11 @@ def depends_only_on_inputs(node: fx.Node) -> bool:
 
 def collective_params(node: fx.Node) -> tuple[str, ...]:
     return tuple(node.meta.get(meta_keys.PARAMS, ()))
+
+
+def unshard_specs(gm: fx.GraphModule, *, subgraphs: bool = False) -> dict[str, UnshardSpec]:
+    """Parameter name -> the spec of its unshard marker, in graph order (with `subgraphs`, the
+    markers inside activation-checkpoint and other HOP bodies too)."""
+    nodes = all_nodes(gm) if subgraphs else gm.graph.nodes
+    specs = (UnshardSpec.from_node(node) for node in nodes if is_unshard(node))
+    return {spec.name: spec for spec in specs}

@@ -391,7 +391,8 @@ def train_sharded(rank: int, world: int, configs: list[ZooConfig]) -> list[RunRe
     import traceback
 
     import graphshard
-    from graphshard.compiler.backend import STAGES, GraphshardCompiler
+    from graphshard.compiler.backend import GraphshardCompiler
+    from graphshard.compiler.pipeline import STAGES
     from graphshard.compiler.options import GraphshardOptions
     from graphshard.passes.graph_utils import is_collective
     from tests.workers import grad_layout_problems

@@ -11,7 +11,7 @@ import pytest
 import torch.distributed as dist
 
 from graphshard.tools import dump
-from graphshard.compiler.backend import STAGES
+from graphshard.compiler.pipeline import STAGES
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TINY = os.path.join("tests", "dump_targets", "tiny.py")

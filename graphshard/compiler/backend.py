@@ -27,10 +27,7 @@ from graphshard.compiler.dynamo_graph import SplitContext, has_markers, split_co
 from graphshard.compiler.options import GraphshardOptions
 from graphshard.compiler.partition import partition
 from graphshard.compiler.schedule_check import check_schedule, record_served_from_cache
-# Importable from here too: the planner reads the joint graph's state with these, and the
-# stage list is what `graphshard dump` and the tests name stages by.
-from graphshard.compiler.partition import gradient_bytes, model_state_bytes, trainable_reads  # noqa: F401
-from graphshard.compiler.pipeline import PIPELINE, STAGES, StageObserver, run_pipeline  # noqa: F401
+from graphshard.compiler.pipeline import StageObserver, run_pipeline
 from graphshard.passes.context import PassContext
 from graphshard.passes.liveness import MemoryEstimate, graph_memory
 

@@ -8,8 +8,7 @@ import torch.fx as fx
 
 from graphshard import _torch_compat as compat
 from graphshard.compiler.options import GraphshardOptions
-from graphshard.passes.graph_utils import all_nodes, is_reduce_grad, is_unshard
-from graphshard.passes.markers import UnshardSpec
+from graphshard.passes.graph_utils import all_nodes, is_reduce_grad, is_unshard, unshard_specs
 
 
 class SplitContext(NamedTuple):
@@ -30,23 +29,19 @@ def split_context(gm: fx.GraphModule, options: GraphshardOptions) -> SplitContex
     return SplitContext(_param_order(gm), via_all_to_all, _group_ranks(gm) if via_all_to_all else {})
 
 
-def _unshard_specs_of(gm: fx.GraphModule):
-    return (UnshardSpec.from_node(node) for node in all_nodes(gm) if is_unshard(node))
-
-
 def _uses_gloo(gm: fx.GraphModule) -> bool:
     """Whether the markers' process groups are gloo's (their backend travels in each marker)."""
-    return {spec.backend for spec in _unshard_specs_of(gm)} == {"gloo"}
+    return {spec.backend for spec in unshard_specs(gm, subgraphs=True).values()} == {"gloo"}
 
 
 def _group_ranks(gm: fx.GraphModule) -> dict[str, int]:
     """This process's rank in each process group the markers name (gather and reduce groups)."""
     names = set()
-    for spec in _unshard_specs_of(gm):
+    for spec in unshard_specs(gm, subgraphs=True).values():
         names.update((spec.gather_group, *spec.reduce_groups))
     return {name: compat.process_group_rank(name) for name in sorted(names) if name}
 
 
 def _param_order(gm: fx.GraphModule) -> dict[str, int]:
     """Parameter name -> registration index, from the markers (bucketing packs in this order)."""
-    return {spec.name: spec.order for spec in _unshard_specs_of(gm)}
+    return {spec.name: spec.order for spec in unshard_specs(gm, subgraphs=True).values()}

@@ -16,7 +16,7 @@ from graphshard import _torch_compat as compat
 from graphshard.compiler.auto_reshard import longest_fitting_prefix
 from graphshard.compiler.cost_model import collective_time, node_cost
 from graphshard.compiler.pipeline import run_pipeline
-from graphshard.passes.graph_utils import is_reduce_grad, is_unshard, tensor_bytes
+from graphshard.passes.graph_utils import is_reduce_grad, is_unshard, tensor_bytes, unshard_specs
 from graphshard.passes.liveness import step_memory
 from graphshard.passes.markers import ReduceSpec, UnshardSpec
 from graphshard.compiler.rank_agreement import agreed_minimum, decision_key, first_decision
@@ -116,11 +116,6 @@ def agree_on_minimum(value: int) -> int:
         agreed = torch.tensor([value], device=device)
         dist.all_reduce(agreed, op=dist.ReduceOp.MIN)
         return int(agreed.item())
-
-
-def unshard_specs(gm: fx.GraphModule) -> dict[str, UnshardSpec]:
-    specs = (UnshardSpec.from_node(n) for n in gm.graph.nodes if is_unshard(n))
-    return {spec.name: spec for spec in specs}
 
 
 def model_state_bytes(joint: fx.GraphModule) -> int:

@@ -22,10 +22,10 @@ def auto_config(layout: Layout, at: Callable[[Knobs], Probe], depth: int, knobs:
     if limit is None or depth < 3:
         return None  # nothing between the default and "all"
     try:
-        at(every)
+        full = at(every)
     except KeyError:  # "all" not searched
         return None
-    base, full = at(last), at(every)
+    base = at(last)
     auto = dataclasses.replace(knobs, keep="auto")
 
     def probe(extra_blocks: int) -> Probe:

@@ -86,7 +86,7 @@ def _probes(compiler, joint, joint_inputs, kwargs, knobs: Sequence[Knobs], clust
             devices: int) -> dict[Knobs, Probe]:
     """Evaluate every knob set on one joint graph: its partition and split stages (sharing
     the stages knob sets have in common), then the estimate."""
-    from graphshard.compiler.backend import gradient_bytes, model_state_bytes, trainable_reads
+    from graphshard.compiler.partition import gradient_bytes, model_state_bytes, trainable_reads
     from graphshard.compiler.options import GraphshardOptions
     from graphshard.compiler.simulator import graph_estimate
     from graphshard.passes.liveness import step_memory
