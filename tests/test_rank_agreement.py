@@ -20,12 +20,14 @@ pytestmark = pytest.mark.timeout(1800)
 
 WORLD, SEQ, LR = 2, 8, 0.5
 TOL = 1e-5  # fp32: per-rank graphs change only the order of float sums
+NATIVE = {"all_gather": "native", "reduce_scatter": "native"}
 # (name, torch.compile arguments or None for eager, rows per rank for each step)
 CONFIGS = [
     ("inductor-4v1-then-4v2", {}, [(4, 1), (4, 2)]),  # the second step: rank 1 alone recompiles
     ("inductor-dynamic-4v1", {"dynamic": True}, [(4, 1)]),
     ("eager-4v1", None, [(4, 1)]),
     ("inductor-3v2", {}, [(3, 2)]),
+    ("inductor-native-4v1", {"options": NATIVE}, [(4, 1)]),  # the NCCL path's collectives
 ]
 
 
@@ -71,6 +73,9 @@ def _steps(rank: int, compile_args, steps) -> list[dict[str, torch.Tensor]]:
     return params
 
 
+BRANCH_OPTIONS = {"default": {}, "native": NATIVE}
+
+
 class RankBranch(torch.nn.Module):
     """A forward that runs a module on rank 0 only."""
 
@@ -87,12 +92,12 @@ class RankBranch(torch.nn.Module):
         return self.last(x)
 
 
-def _rank_branch(rank: int) -> dict:
+def _rank_branch(rank: int, options: dict) -> dict:
     import graphshard
 
     model = RankBranch()
     graphshard.shard(model)
-    fn = torch.compile(model, backend="graphshard", options={"compiler": "eager"})
+    fn = torch.compile(model, backend="graphshard", options=options)  # Inductor by default
     start = time.perf_counter()
     try:
         fn(torch.randn(4, 16)).sum().backward()
@@ -103,7 +108,8 @@ def _rank_branch(rank: int) -> dict:
 
 def worker(rank: int, world: int) -> dict:
     results = {name: _train(rank, world, name, args, steps) for name, args, steps in CONFIGS}
-    results["rank-branch"] = _rank_branch(rank)
+    for name, options in BRANCH_OPTIONS.items():
+        results[f"rank-branch-{name}"] = _rank_branch(rank, options)
     return results
 
 
@@ -143,14 +149,15 @@ def test_uneven_batches_train_as_ddp(runs, name, steps):
             assert diff < TOL, f"{name}, rank {rank}, after step {step}: {diff:.3g} off DDP"
 
 
-def test_a_rank_dependent_branch_fails_at_compile_time_on_every_rank(runs):
+@pytest.mark.parametrize("transport", list(BRANCH_OPTIONS))
+def test_a_rank_dependent_branch_fails_at_compile_time_on_every_rank(runs, transport):
     for rank in range(WORLD):
-        result = runs[rank]["rank-branch"]
+        result = runs[rank][f"rank-branch-{transport}"]
         assert result["error"] is not None, f"rank {rank} ran a mismatched schedule"
         message = result["error"]
         assert message.startswith("ScheduleMismatchError: "), message
         assert "different collective schedules for the forward graph" in message
         assert "extra.weight" in message  # the first collective that differs serves it
         assert "rank-dependent branch" in message
-        # compile time of the eager compiler included; a hang would be the 300 s wait
+        # raised before Inductor compiles the graph; a hang would be the 300 s wait
         assert result["seconds"] < 60, result["seconds"]

@@ -16,12 +16,12 @@ from torch.distributed.tensor import DTensor, Shard
 
 from graphshard import safetensors_io as st
 from graphshard._torch_compat import non_persistent_buffer_names
+from graphshard._transformers import is_transformers_model
 from graphshard.checkpoint.agreement import agree
 from graphshard.checkpoint.errors import CheckpointError, raise_if_unfit
 from graphshard.checkpoint.state_dict import unwrap
 from graphshard.checkpoint.transformers_models import (
     buffer_initialiser,
-    is_transformers_model,
     key_conversion,
     loaded_name,
 )

@@ -91,8 +91,8 @@ def record_served_from_cache(dynamo_key: str) -> None:
 def _peers(gm: fx.GraphModule, rank: int) -> list[int]:
     """The other ranks of the groups this graph's collectives run on (a mesh may span only
     part of the world: a pipeline stage, one of two models)."""
-    ranks = {r for node in gm.graph.nodes if is_collective(node)
-             for r in compat.process_group_ranks(collective_group(node)[0])}
+    groups = {collective_group(node)[0] for node in gm.graph.nodes if is_collective(node)}
+    ranks = {r for group in groups for r in compat.process_group_ranks(group)}
     return sorted(ranks - {rank})
 
 
