@@ -9,9 +9,10 @@ from graphshard.grad_sync import no_sync, set_requires_all_reduce, set_requires_
 from graphshard.init import materialize
 from graphshard.policy import MixedPrecisionPolicy, ShardingStrategy
 from graphshard.sharding import is_sharded, shard
+from graphshard.tensor_parallel_plan import parallelize
 
 __all__ = [
     "shard", "is_sharded", "MixedPrecisionPolicy", "ShardingStrategy",
     "no_sync", "set_requires_gradient_sync", "set_requires_all_reduce", "materialize",
-    "apply_activation_checkpointing",
+    "apply_activation_checkpointing", "parallelize",
 ]

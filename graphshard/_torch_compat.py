@@ -398,6 +398,31 @@ def rnn_weight_cache_overrides(read_weights: Callable) -> dict[str, Any]:
             "_init_flat_weights": _no_weight_cache, "_update_flat_weights": _no_weight_cache}
 
 
+# --------------------------------------------------------------------------- tensor parallelism
+
+
+def root_mesh(mesh):
+    """The DeviceMesh `mesh` was sliced from (itself if it was not). Public replacement: none
+    (DeviceMesh exposes its parent only through this private accessor)."""
+    return mesh._get_root_mesh()
+
+
+def strided_shard(dim: int, split_factor: int):
+    """The placement of a data-parallel cut of a piece that TP already cut on the same dim
+    (FSDP2 + TP's layout). Public replacement: none (`_StridedShard` is DTensor's own)."""
+    from torch.distributed.tensor.placement_types import _StridedShard
+
+    return _StridedShard(dim, split_factor=split_factor)
+
+
+def is_strided_shard(placement) -> bool:
+    """Whether `placement` is DTensor's `_StridedShard` (not a Shard subclass, nor is_shard()).
+    Public replacement: none."""
+    from torch.distributed.tensor.placement_types import _StridedShard
+
+    return isinstance(placement, _StridedShard)
+
+
 # --- Ranks agreeing on one collective schedule (graphshard/compiler/schedule_check.py) ---
 
 def default_store():

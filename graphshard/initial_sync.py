@@ -38,6 +38,8 @@ import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
 
+from graphshard.runtime.parts import cut_dim
+
 
 def sync_initial_state(model: nn.Module, mesh: DeviceMesh,
                        params: Iterable[tuple[torch.Tensor, nn.Parameter]]) -> None:
@@ -59,7 +61,7 @@ def sync_initial_state(model: nn.Module, mesh: DeviceMesh,
             if full.is_meta or local.is_meta:
                 unmaterialized = True
                 continue
-            if param.placements[shard_dim].is_shard():
+            if cut_dim(param.placements[shard_dim]) is not None:
                 _scatter_dim0_from_origin(mesh, full.detach(), local)
             else:
                 _broadcast_from_origin(mesh, local)

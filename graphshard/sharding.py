@@ -27,6 +27,9 @@ from graphshard.runtime.gathered_weight import GatheredWeight
 from graphshard.runtime.local_shards import LocalShard, bind_local_shard
 from graphshard.runtime.parts import contiguous_strides, local_dim0_slice
 from graphshard.runtime.sharded_class import sharded_class
+from graphshard.tensor_parallel import (TensorParallelLayout, combined_mesh,
+                                        data_parallel_shard_placement, layout_of,
+                                        one_tensor_parallel_mesh, replicated_layout)
 from graphshard.state import (MODULE_ATTR, STATE_ATTR, ModuleShards, ShardState, is_sharded,
                               module_shards, shard_state, sharded_modules)
 
@@ -101,19 +104,24 @@ def _check_not_wrapped(model: nn.Module) -> None:
                 raise ValueError(f"graphshard.shard: {where} ({type(module).__name__}) is {what}")
 
 
-def _check_plain_parameters(model: nn.Module, slots: list) -> None:
+def _check_not_sharded_twice(model: nn.Module, slots: list) -> None:
     if is_sharded(model) or any(module_shards(m) is not None for m, *_ in slots):
         raise ValueError("model is already sharded by graphshard (it, or the model it belongs "
                          "to, went through graphshard.shard); call graphshard.shard once per model")
+
+
+def _tensor_parallel_layouts(slots: list, mesh: DeviceMesh) -> dict[int, TensorParallelLayout]:
+    """id(parameter) -> its TP layout, for each parameter a TP plan made a DTensor."""
+    layouts, names = {}, {}
     for _, _, fqn, param in slots:
-        if isinstance(param, DTensor):
-            raise ValueError(
-                f"graphshard.shard: parameter {fqn!r} is already a DTensor ({param.placements} "
-                f"over a mesh of shape {tuple(param.device_mesh.shape)}: tensor parallelism, "
-                "distribute_tensor or another sharding library). graphshard shards plain "
-                "parameters and makes its own DTensors: build the model with plain tensors "
-                "(or replace each DTensor by its full_tensor()) and then call graphshard.shard"
-            )
+        if isinstance(param, DTensor) and id(param) not in layouts:
+            layouts[id(param)], names[id(param)] = layout_of(param, fqn, mesh), fqn
+    tp_mesh = one_tensor_parallel_mesh(layouts, names)
+    if tp_mesh is not None:
+        for *_, param in slots:
+            if id(param) not in layouts:
+                layouts[id(param)] = replicated_layout(param, tp_mesh)
+    return layouts
 
 
 def _check_dense_gradients(model: nn.Module) -> None:
@@ -159,7 +167,7 @@ def shard(
     policy = resolve_mixed_precision(mixed_precision, param_dtype, reduce_dtype)
     _check_not_wrapped(model)
     slots = list(_named_param_slots(model))
-    _check_plain_parameters(model, slots)
+    _check_not_sharded_twice(model, slots)
     _check_dense_gradients(model)
     devices = {param.device for *_, param in slots}
     if len(devices) > 1:
@@ -188,23 +196,29 @@ def shard(
                "; use init_device_mesh(device, (world_size,))")
         )
 
+    layouts = _tensor_parallel_layouts(slots, mesh)
     sharded: dict[int, nn.Parameter] = {}  # id(original) -> new: tied weights stay tied
     specs: dict[int, UnshardSpec] = {}
     per_module: dict[nn.Module, dict[str, UnshardSpec]] = {}
+    module_layouts: dict[nn.Module, dict[str, TensorParallelLayout]] = {}
     for module, name, fqn, param in slots:
+        layout = layouts.get(id(param))
         if id(param) not in sharded:
             new_param, spec = _shard_param(param, fqn, len(sharded), mesh, strategy,
-                                           _module_policy(module, policy))
+                                           _module_policy(module, policy), layout)
             sharded[id(param)], specs[id(param)] = new_param, spec
             remember_replacement(param, new_param)  # for an optimizer created before shard()
         module._parameters[name] = sharded[id(param)]
         per_module.setdefault(module, {})[name] = specs[id(param)]
+        if layout is not None and layout.parallel:
+            module_layouts.setdefault(module, {})[name] = layout
     for module in model.modules():  # every Hugging Face model in it refuses save_pretrained,
         if is_transformers_model(module):  # one without parameters of its own (the root) too
             per_module.setdefault(module, {})
     state = ShardState(mesh, strategy, policy)
     for module, module_specs in per_module.items():
-        object.__setattr__(module, MODULE_ATTR, ModuleShards(module_specs, {}, state))
+        object.__setattr__(module, MODULE_ATTR, ModuleShards(
+            module_specs, {}, state, tensor_parallel=module_layouts.get(module, {})))
         module.__class__ = sharded_class(type(module), tuple(sorted(module_specs)))
     bind_local_shards(model)
     object.__setattr__(model, STATE_ATTR, state)
@@ -214,7 +228,8 @@ def shard(
     if sync_module_states:
         from graphshard.initial_sync import sync_initial_state
 
-        sync_initial_state(model, mesh, [(param, sharded[id(param)]) for *_, param in slots])
+        sync_initial_state(model, mesh, [(_tensor_parallel_piece(param), sharded[id(param)])
+                                         for *_, param in slots])
     update_live_optimizers()  # one built from model.parameters() before shard() now holds shards
     return model
 
@@ -239,26 +254,36 @@ def _module_policy(module: nn.Module, policy: MixedPrecisionPolicy) -> MixedPrec
     return policy
 
 
+def _tensor_parallel_piece(param: nn.Parameter) -> torch.Tensor:
+    """What graphshard shards of `param`: this rank's TP piece, or the whole parameter."""
+    return param.to_local() if isinstance(param, DTensor) else param
+
+
 def _shard_param(param: nn.Parameter, fqn: str, order: int, mesh: DeviceMesh,
-                 strategy: ShardingStrategy, policy: MixedPrecisionPolicy
-                 ) -> tuple[nn.Parameter, UnshardSpec]:
-    shard_dim = mesh.ndim - 1  # the shard dimension is the last mesh dim
+                 strategy: ShardingStrategy, policy: MixedPrecisionPolicy,
+                 layout: TensorParallelLayout | None) -> tuple[nn.Parameter, UnshardSpec]:
+    whole, requires_grad = param, param.requires_grad
+    param = _tensor_parallel_piece(param)
+    shard_dim = mesh.ndim - 1  # the shard dimension is the last data-parallel mesh dim
     shard_group = mesh.get_group(shard_dim)
     shard_size = mesh.size(shard_dim)
     replica_groups = [(mesh.get_group(d).group_name, mesh.size(d)) for d in range(mesh.ndim - 1)]
     sharded = strategy is not ShardingStrategy.NO_SHARD and param.dim() > 0
     if sharded:
         local = local_dim0_slice(param.detach(), mesh.get_local_rank(shard_dim), shard_size)
-        placements = [Replicate()] * (mesh.ndim - 1) + [Shard(0)]
+        placements = [Replicate()] * (mesh.ndim - 1) + [data_parallel_shard_placement(layout)]
     else:
         # 0-dim parameters cannot be Shard(0); no_shard replicates everything (DDP).
         local = param.detach()
         placements = [Replicate()] * mesh.ndim
+    param_mesh = mesh
+    if layout is not None:  # one DTensor over the data-parallel dims, then the TP dims
+        param_mesh, placements = combined_mesh(mesh, layout), placements + list(layout.placements)
     dtensor = DTensor.from_local(
-        local.clone(memory_format=torch.contiguous_format), mesh, placements,
-        run_check=False, shape=param.shape, stride=contiguous_strides(param.shape),
+        local.clone(memory_format=torch.contiguous_format), param_mesh, placements,
+        run_check=False, shape=whole.shape, stride=contiguous_strides(whole.shape),
     )
-    new_param = nn.Parameter(dtensor, requires_grad=param.requires_grad)
+    new_param = nn.Parameter(dtensor, requires_grad=requires_grad)
     compute_dtype = policy.param_dtype if param.is_floating_point() else None
     spec = UnshardSpec(
         full_dim0=param.shape[0] if param.dim() else 0,

@@ -82,6 +82,9 @@ class ModuleShards:
     specs: dict[str, UnshardSpec]
     shards: dict[str, LocalShard]
     model: ShardState
+    # Parameters a TP plan made DTensors (graphshard/tensor_parallel.py): by local name, how
+    # their gathered piece is wrapped back into a DTensor on the TP mesh.
+    tensor_parallel: dict[str, Any] = field(default_factory=dict)
 
 
 def is_sharded(model: nn.Module) -> bool:

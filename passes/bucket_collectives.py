@@ -47,7 +47,7 @@ from graphshard.passes.graph_utils import (
     depends_only_on_inputs,
     fake_mode_of,
     hoist_before,
-    is_collective,
+    is_graphshard_collective,
     node_order,
     finalize_graph,
     stable_topological_sort,
@@ -78,7 +78,7 @@ def plan_buckets(gm: fx.GraphModule, cap_bytes: float,
     """Group the graph's collectives into buckets (pure planning, no graph change)."""
     param_order = param_order or {}
     order = node_order(gm.graph)
-    collectives = [n for n in gm.graph.nodes if is_collective(n)]
+    collectives = [n for n in gm.graph.nodes if is_graphshard_collective(n)]
     # Runs of consecutive collectives of one kind in the same unit (a collective of that kind
     # from another unit closes them), split by process group and dtype. Runs of collectives
     # outside repeated blocks are leftover units ("<other 1>", "<other 2>", ...).

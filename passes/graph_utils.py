@@ -70,6 +70,13 @@ def is_collective(node: fx.Node) -> bool:
     return node.op == "call_function" and (node.target in COLLECTIVES or _transported(node))
 
 
+def is_graphshard_collective(node: fx.Node) -> bool:
+    """One of the collectives graphshard inserted (a parameter's gather, a gradient's
+    reduction), as opposed to one the model's own code traced into the graph (a TP plan's
+    DTensor redistributions): only ours are bucketed, moved and freed by the passes."""
+    return is_collective(node) and meta_keys.ROLE in node.meta
+
+
 def collective_kind(node: fx.Node) -> str:
     """all_gather / reduce_scatter / all_reduce: what the collective does for us, whichever
     op carries it."""

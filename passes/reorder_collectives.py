@@ -59,6 +59,7 @@ from graphshard.passes.graph_utils import (
     collective_kind,
     finalize_graph,
     is_collective,
+    is_graphshard_collective,
     is_view,
     is_wait,
     list_schedule,
@@ -85,7 +86,7 @@ class ReorderPolicy:
 
 
 def _is_gather(node: fx.Node) -> bool:
-    return is_collective(node) and collective_kind(node) == "all_gather"
+    return is_graphshard_collective(node) and collective_kind(node) == "all_gather"
 
 
 def _output_chain(wait: fx.Node) -> list[fx.Node]:
@@ -332,7 +333,7 @@ def _reduction_wait_slots(baseline: Sequence[fx.Node], policy: ReorderPolicy, bu
     its compute covers (or that needs its result: a hybrid replica all-reduce), or the
     output, if its input fits below the peak over the extra stretch."""
     slot = {node: index for index, node in enumerate(baseline)}
-    reductions = [n for n in baseline if is_collective(n) and not _is_gather(n)]
+    reductions = [n for n in baseline if is_graphshard_collective(n) and not _is_gather(n)]
     ends = [slot[r] for r in reductions[1:]] + [slot[baseline[-1]]]  # baseline[-1]: the output
     costed = policy.compute_seconds and policy.collective_seconds
     last_gathered = max((slot[wait_of(n)] for n in baseline if _is_gather(n)), default=-1)
@@ -363,7 +364,7 @@ def _hand_over(baseline: Sequence[fx.Node], policy: ReorderPolicy, issue: dict[f
     if not (policy.compute_seconds and policy.collective_seconds):
         return
     slot = {node: index for index, node in enumerate(baseline)}
-    for reduction in (n for n in baseline if is_collective(n) and not _is_gather(n)):
+    for reduction in (n for n in baseline if is_graphshard_collective(n) and not _is_gather(n)):
         wait = wait_of(reduction)
         if wait not in delayed or reduction in shard_side:  # shard side: rank-dependent cost
             continue
@@ -400,7 +401,7 @@ def _reduction_issue_slots(baseline: Sequence[fx.Node], delayed: Mapping[fx.Node
                and not is_collective(node) and not is_wait(node) and not is_view(node)]
     issue = {}
     for index, node in enumerate(baseline):
-        if is_collective(node) and not _is_gather(node) and wait_of(node) in delayed:
+        if is_graphshard_collective(node) and not _is_gather(node) and wait_of(node) in delayed:
             at = bisect.bisect_right(working, index)
             later = working[at] if at < len(working) else None
             if later is not None and later - 0.75 < delayed[wait_of(node)]:

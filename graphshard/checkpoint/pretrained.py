@@ -12,7 +12,7 @@ from typing import Callable
 
 import torch
 import torch.nn as nn
-from torch.distributed.tensor import DTensor, Shard
+from torch.distributed.tensor import DTensor
 
 from graphshard import safetensors_io as st
 from graphshard._torch_compat import non_persistent_buffer_names
@@ -25,6 +25,7 @@ from graphshard.checkpoint.transformers_models import (
     key_conversion,
     loaded_name,
 )
+from graphshard.runtime.parts import cut_dim
 from graphshard.sharding import bind_local_shards, is_sharded, shard_state
 from graphshard.state import plain_class
 
@@ -67,16 +68,19 @@ def _local_region(tensor: torch.Tensor) -> list[tuple[int, int]]:
     if not isinstance(tensor, DTensor):
         return region
     mesh, coordinate = tensor.device_mesh, tensor.device_mesh.get_coordinate()
-    for mesh_dim, placement in enumerate(tensor.placements):
+    # Innermost mesh dim first: TP's cut, then graphshard's data-parallel cut of that piece.
+    for mesh_dim in reversed(range(mesh.ndim)):
+        placement = tensor.placements[mesh_dim]
         if placement.is_replicate():
             continue
-        if type(placement) is not Shard or coordinate is None:
+        dim = cut_dim(placement)
+        if dim is None or coordinate is None:
             raise CheckpointError(f"cannot load pretrained weights into a {placement} placement")
-        start, stop = region[placement.dim]
+        start, stop = region[dim]
         length, parts = stop - start, mesh.size(mesh_dim)
         chunk = -(-length // parts)
         lo = min(coordinate[mesh_dim] * chunk, length)
-        region[placement.dim] = (start + lo, start + min(lo + chunk, length))
+        region[dim] = (start + lo, start + min(lo + chunk, length))
     local = tuple(tensor.to_local().shape)
     if tuple(b - a for a, b in region) != local:
         raise CheckpointError(f"cannot tell which part of a {tuple(tensor.shape)} tensor with "

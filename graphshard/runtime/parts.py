@@ -7,6 +7,8 @@ import torch
 import torch.nn as nn
 from torch.distributed.tensor import DTensor
 
+from graphshard import _torch_compat as compat
+
 
 def local_dim0_slice(full: torch.Tensor, coordinate: int, size: int) -> torch.Tensor:
     """The `coordinate`-th of `size` torch.chunk pieces of `full` along dim 0 (empty past the
@@ -27,15 +29,33 @@ def contiguous_strides(shape: torch.Size) -> tuple[int, ...]:
     return tuple(reversed(strides))
 
 
+def cut_dim(placement) -> int | None:
+    """The tensor dim a placement cuts (Shard, or the strided data-parallel cut of a TP
+    piece), or None where it replicates."""
+    if placement.is_shard() or compat.is_strided_shard(placement):
+        return placement.dim
+    return None
+
+
 def this_rank_part(full: torch.Tensor, param: nn.Parameter) -> torch.Tensor:
-    """This rank's local shard of `full` (`param`'s global shape), on `param`'s device."""
+    """This rank's local shard of `full` (`param`'s global shape), on `param`'s device: cut as
+    the placements were applied, the innermost mesh dim first (TP, then graphshard's dim-0 cut
+    over the data-parallel dims), each a torch.chunk."""
     mesh = param.device_mesh
-    shard_dim = mesh.ndim - 1
     part = full.detach()
-    if param.placements[shard_dim].is_shard():
-        part = local_dim0_slice(part, mesh.get_local_rank(shard_dim), mesh.size(shard_dim))
+    for mesh_dim in reversed(range(mesh.ndim)):
+        dim = cut_dim(param.placements[mesh_dim])
+        if dim is not None:
+            part = local_slice(part, dim, mesh.get_local_rank(mesh_dim), mesh.size(mesh_dim))
     local = param.to_local()
     return part.to(torch.device(mesh.device_type) if local.is_meta else local.device)
+
+
+def local_slice(full: torch.Tensor, dim: int, coordinate: int, size: int) -> torch.Tensor:
+    """local_dim0_slice along `dim`."""
+    if dim == 0:
+        return local_dim0_slice(full, coordinate, size)
+    return local_dim0_slice(full.transpose(0, dim), coordinate, size).transpose(0, dim)
 
 
 def dtensor_part(full: torch.Tensor, param: nn.Parameter, own_storage: bool) -> DTensor:

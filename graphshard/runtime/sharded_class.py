@@ -85,18 +85,21 @@ def _param_property(name: str) -> property:
         local, spec = shard.leaf_for(module._parameters[name].requires_grad), record.specs[name]
         if local.is_meta:  # static under torch.compile: Dynamo re-raises it as is
             raise RuntimeError(_still_on_meta(module))
+        full = None
         if local.requires_grad and torch.is_grad_enabled():
             # No-sync micro-batches (gradient accumulation) take another path; Dynamo guards
             # on the mode, so each mode is its own graph.
             full = unshard_for_grad_sync(local, spec, record.model.grad_sync)
-            if full is not None:
-                return full
-        full = call_unshard(local, spec)
-        if torch.compiler.is_compiling():
-            return full
-        # Eager code may edit the weight in place (nn.init, `.data.copy_`, zeroing a padding
-        # row): such an edit must reach the shard, as it would reach an unsharded parameter.
-        return GatheredWeightGrad.apply(full, shard.param, module, name)
+        if full is None:
+            full = call_unshard(local, spec)
+            if not torch.compiler.is_compiling():
+                # Eager code may edit the weight in place (nn.init, `.data.copy_`, zeroing a
+                # padding row): such an edit must reach the shard, as it would unsharded.
+                full = GatheredWeightGrad.apply(full, shard.param, module, name)
+        tensor_parallel = record.tensor_parallel.get(name)
+        if tensor_parallel is not None:  # the TP plan's modules compute on DTensors
+            return tensor_parallel.wrap(full)
+        return full
 
     return property(eager_when_not_inlined(get), doc=f"full (unsharded) parameter {name!r}")
 

@@ -158,9 +158,10 @@ class LlamaAttention(nn.Module):
 
     def forward(self, x, cos, sin):
         bsz, seq, _ = x.shape
-        q = self.wq(x).view(bsz, seq, self.n_heads, self.head_dim).transpose(1, 2)
-        k = self.wk(x).view(bsz, seq, self.n_kv_heads, self.head_dim).transpose(1, 2)
-        v = self.wv(x).view(bsz, seq, self.n_kv_heads, self.head_dim).transpose(1, 2)
+        # -1 heads: under tensor parallelism each rank holds n_heads / tp of them
+        q = self.wq(x).view(bsz, seq, -1, self.head_dim).transpose(1, 2)
+        k = self.wk(x).view(bsz, seq, -1, self.head_dim).transpose(1, 2)
+        v = self.wv(x).view(bsz, seq, -1, self.head_dim).transpose(1, 2)
         q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
         repeat = self.n_heads // self.n_kv_heads
         k, v = k.repeat_interleave(repeat, dim=1), v.repeat_interleave(repeat, dim=1)
@@ -194,6 +195,14 @@ class LlamaBlock(nn.Module):
 
 class Llama(nn.Module):
     """Llama-3-style decoder: RMSNorm, rotary embeddings, grouped-query attention, SwiGLU."""
+
+    # Its tensor-parallel plan (graphshard.parallelize), torchtitan's for the same model.
+    tp_plan = {
+        "layers.*.attention.wq": "colwise", "layers.*.attention.wk": "colwise",
+        "layers.*.attention.wv": "colwise", "layers.*.attention.wo": "rowwise",
+        "layers.*.feed_forward.w1": "colwise", "layers.*.feed_forward.w3": "colwise",
+        "layers.*.feed_forward.w2": "rowwise", "output": "colwise_gather_output",
+    }
 
     def __init__(self, config: LlamaConfig = LlamaConfig()):
         super().__init__()
