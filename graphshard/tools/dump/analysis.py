@@ -3,6 +3,7 @@ graphs: every collective, communication against theory, and the cost model's est
 
 from __future__ import annotations
 
+import math
 import time
 from dataclasses import dataclass
 from typing import Any, Callable, Sequence
@@ -41,8 +42,11 @@ def param_infos(model) -> dict[str, ParamInfo]:
     infos: dict[str, ParamInfo] = {}
     for param, spec in sharded_params(model):
         gather = spec.compute_dtype or param.dtype
+        # What graphshard gathers: the whole parameter, or this rank's TP piece of it.
+        local = param.to_local()
+        shape = (spec.full_dim0, *local.shape[1:]) if local.dim() else ()
         infos[spec.name] = ParamInfo(
-            spec.name, tuple(param.shape), param.dtype, param.numel(),
+            spec.name, shape, param.dtype, math.prod(shape),
             param.to_local().numel(), param.requires_grad, bool(spec.gather_group),
             gather, spec.reduce_dtype or gather, spec.reduce_groups[0])
     return infos
@@ -117,6 +121,8 @@ def collective_records(kind: str, gm, estimate, infos: dict[str, ParamInfo],
             name=node.name,
             op=op,
             params=names,
+            purpose="fsdp" if meta_keys.ROLE in node.meta else "tensor_parallel",
+            group=group_name,
             bytes=int(nbytes),
             buffer_bytes=buffer_bytes,
             wire_bytes=float(wire_bytes(op, buffer_bytes, group_size)) if group_size else 0.0,
@@ -155,19 +161,21 @@ def comm_summary(records: list[CollectiveRecord], infos: dict[str, ParamInfo], s
     P, T, N, S = sympy.symbols("P T N S", positive=True)
     formulas = theoretical_comm_bytes(strategy, P, N, trainable_bytes=T,
                                       **({"shard_size": S} if extra else {}))
-    by_kind: dict[str, CommKind] = {}
-    for kind in (*KINDS, "total"):
-        chosen = [r for r in records if kind == "total" or r.op == kind]
+    def kind_summary(chosen: list[CollectiveRecord], theory_bytes: float, formula: str):
         wire = sum(r.wire_bytes for r in chosen)
-        by_kind[kind] = CommKind(
-            count=len(chosen),
-            bytes=sum(r.bytes for r in chosen),
-            buffer_bytes=sum(r.buffer_bytes for r in chosen),
-            wire_bytes=wire,
-            theory_wire_bytes=float(theory[kind]),
-            theory_formula=str(formulas[kind]),
-            difference=wire - float(theory[kind]),
-        )
+        return CommKind(count=len(chosen), bytes=sum(r.bytes for r in chosen),
+                        buffer_bytes=sum(r.buffer_bytes for r in chosen), wire_bytes=wire,
+                        theory_wire_bytes=theory_bytes, theory_formula=formula,
+                        difference=wire - theory_bytes)
+
+    ours = [r for r in records if r.purpose == "fsdp"]
+    by_kind = {kind: kind_summary([r for r in ours if kind == "total" or r.op == kind],
+                                  float(theory[kind]), str(formulas[kind]))
+               for kind in (*KINDS, "total")}
+    tp_records = [r for r in records if r.purpose == "tensor_parallel"]
+    if tp_records:
+        moved = float(sum(r.wire_bytes for r in tp_records))
+        by_kind["tensor_parallel"] = kind_summary(tp_records, moved, "TP plan's")
     symbols = {"P": gather_bytes, "T": trainable_bytes, "N": world_size,
                **({"S": shard_size} if extra else {})}
     return CommSummary(**by_kind, symbols=symbols,
@@ -295,7 +303,7 @@ class DumpResult:
 
 def dump(workload: Workload, *, world_size: int, strategy: str = "full_shard", options=None,
          stages: Sequence[str] = (), shard_size: int | None = None, param_dtype=None,
-         reduce_dtype=None, cluster=None,
+         reduce_dtype=None, cluster=None, tp: int = 1,
          progress: Callable[[str], None] = lambda message: None) -> DumpResult:
     """Shard and compile `workload` at `world_size` on a fake process group (one must not be
     initialised already) and describe the result. `stages`: stage names whose code to keep;
@@ -326,7 +334,7 @@ def dump(workload: Workload, *, world_size: int, strategy: str = "full_shard", o
                         "graphshard dump makes its own fake one")
 
     with sharded_on_fake_cluster(workload, world_size, strategy, shard_size, param_dtype,
-                                 reduce_dtype) as mesh:
+                                 reduce_dtype, tp) as mesh:
         infos = param_infos(workload.model)
         progress(f"capturing the training step of {workload.description} at world size "
                  f"{world_size} (Dynamo, AOTAutograd, partitioning: most of the dump's time)")
@@ -341,7 +349,8 @@ def dump(workload: Workload, *, world_size: int, strategy: str = "full_shard", o
 
     input_bytes = int(value_bytes(tree_leaves(workload.inputs)))
     fw, bw = estimates["forward"], estimates.get("backward")
-    comm = comm_summary(records, infos, strategy, world_size, shard_size or world_size,
+    data_parallel = world_size // tp
+    comm = comm_summary(records, infos, strategy, data_parallel, shard_size or data_parallel,
                         has_backward=bw is not None, kept_from_forward=cap.kept_from_forward)
     memory = memory_summary(fw, bw, cap.final["forward"], cap.final.get("backward"), infos,
                             input_bytes)
@@ -349,7 +358,7 @@ def dump(workload: Workload, *, world_size: int, strategy: str = "full_shard", o
         target=workload.description,
         world_size=world_size,
         strategy=strategy,
-        mesh=list(mesh.shape),
+        mesh=list(mesh.shape) + ([tp] if tp > 1 else []),
         options=options.to_dict(),
         stages=list(STAGES),
         stages_disabled=[st.name for st in PIPELINE if not st.enabled(options)],

@@ -41,6 +41,9 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--strategy", default="full_shard",
                    help="full_shard, shard_grad_op, no_shard or hybrid_shard")
     p.add_argument("--shard-size", type=int, help="hybrid_shard: ranks per shard group")
+    p.add_argument("--tp", type=int, default=1,
+                   help="tensor-parallel degree: apply the model's TP plan on an innermost mesh "
+                        "dim of this many ranks, shard over the rest (default 1: no TP)")
     p.add_argument("--stage", default="none",
                    help=f"also print the FX graphs after a stage: {', '.join(STAGES)}, or all "
                         "(default none: the summary only)")
@@ -130,7 +133,7 @@ def run(argv: Sequence[str]) -> int:
     try:
         result = dump(workload, world_size=args.world_size, strategy=strategy, options=options,
                       stages=stages, shard_size=args.shard_size, param_dtype=args.param_dtype,
-                      reduce_dtype=args.reduce_dtype, cluster=cluster,
+                      reduce_dtype=args.reduce_dtype, cluster=cluster, tp=args.tp,
                       progress=_progress_printer(args.quiet))
     except DumpError:
         raise

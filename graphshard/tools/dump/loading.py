@@ -176,9 +176,11 @@ def to_fake_tensors(workload: Workload, fake_mode, device: str = "cpu") -> None:
 
 @contextlib.contextmanager
 def sharded_on_fake_cluster(workload: Workload, world_size: int, strategy: str,
-                            shard_size: int | None = None, param_dtype=None, reduce_dtype=None):
+                            shard_size: int | None = None, param_dtype=None, reduce_dtype=None,
+                            tp: int = 1):
     """A fake process group of `world_size` in this process, the workload's tensors made fake,
-    its model sharded over a 1-D mesh ((replicate, shard) for hybrid_shard); yields the mesh and
+    its model sharded over a 1-D mesh ((replicate, shard) for hybrid_shard), after applying
+    its TP plan on an innermost "tp" dim of `tp` ranks; yields the data-parallel mesh and
     destroys the group on exit (how dump and plan see a cluster they do not have)."""
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
@@ -186,12 +188,28 @@ def sharded_on_fake_cluster(workload: Workload, world_size: int, strategy: str,
     import graphshard
     from graphshard._torch_compat import fake_tensor_mode, init_fake_process_group
 
+    if tp < 1 or world_size % tp:
+        raise DumpError(f"--tp {tp} must be >= 1 and divide the world size {world_size}")
+    data_parallel = world_size // tp
+    if strategy == "hybrid_shard" and data_parallel % shard_size:
+        raise DumpError(f"--shard-size {shard_size} must divide the data-parallel size "
+                        f"{data_parallel} (world size {world_size} / tp {tp})")
     init_fake_process_group(world_size)
     try:
         to_fake_tensors(workload, fake_tensor_mode())
-        mesh = (init_device_mesh("cpu", (world_size // shard_size, shard_size),
-                                 mesh_dim_names=("replicate", "shard"))
-                if strategy == "hybrid_shard" else init_device_mesh("cpu", (world_size,)))
+        if strategy == "hybrid_shard":
+            dims = ((data_parallel // shard_size, shard_size), ("replicate", "shard"))
+        else:
+            dims = ((data_parallel,), ("dp",))
+        if tp > 1:
+            mesh = init_device_mesh("cpu", (*dims[0], tp), mesh_dim_names=(*dims[1], "tp"))
+            try:
+                graphshard.parallelize(workload.model, mesh["tp"])
+            except ValueError as e:
+                raise DumpError(f"--tp {tp}: {e}") from None
+            mesh = mesh[dims[1]]
+        else:
+            mesh = init_device_mesh("cpu", *dims[:1], mesh_dim_names=dims[1])
         graphshard.shard(workload.model, mesh, strategy=strategy, param_dtype=param_dtype,
                          reduce_dtype=reduce_dtype)
         yield mesh

@@ -48,6 +48,10 @@ class CollectiveRecord:
     name: str  # FX node name
     op: str  # "all_gather" | "reduce_scatter" | "all_reduce"
     params: list[str]  # names of the parameters in its bucket (graphshard_params meta)
+    # "fsdp": a parameter's gather or a gradient's reduction, inserted by graphshard;
+    # "tensor_parallel": one the model's TP plan traced into the graph (activations).
+    purpose: str
+    group: str  # its process group's name
     # Unsharded size of the bucket: the parameters' (gradients') bytes in the collective's
     # dtype; for an all-reduce across hybrid replicas, the shard it reduces.
     bytes: int
@@ -86,15 +90,21 @@ class CommSummary:
     all_gather: CommKind
     reduce_scatter: CommKind
     all_reduce: CommKind
-    total: CommKind
+    total: CommKind  # of the three above: graphshard's own collectives
     # Values of the formulas' symbols: P (params.gather_bytes), T (params.reduce_bytes),
-    # N (world size), S (shard group size; hybrid_shard only).
+    # N (data-parallel world size), S (shard group size; hybrid_shard only).
     symbols: dict[str, int]
     notes: list[str]  # why measured and theory differ
+    # The TP plan's collectives of activations (any op), beside graphshard's; their theory is
+    # what they move (the model's own communication, not sharding's).
+    tensor_parallel: CommKind | None = None
 
     def kinds(self) -> dict[str, CommKind]:
-        """The collective ops and "total", in report order."""
-        return {kind: getattr(self, kind) for kind in (*KINDS, "total")}
+        """The collective ops, "total", and the TP plan's where there are some, in report order."""
+        kinds = {kind: getattr(self, kind) for kind in (*KINDS, "total")}
+        if self.tensor_parallel is not None:
+            kinds["tensor_parallel"] = self.tensor_parallel
+        return kinds
 
 
 @dataclass
@@ -227,7 +237,8 @@ def format_report(report: DumpReport, texts: dict[tuple[str, str], str],
                 off = " (off in these options: unchanged)" if stage in r.stages_disabled else ""
                 out += [f"==== {kind} graph after stage {stage!r}{off} ====", text.rstrip(), ""]
 
-    rows = [(i, {"forward": "fwd", "backward": "bwd"}[c.graph], c.op, _params_cell(c.params),
+    rows = [(i, {"forward": "fwd", "backward": "bwd"}[c.graph], c.op,
+             _params_cell(c.params) if c.purpose == "fsdp" else "(TP: activations)",
              human(c.bytes), c.dtype, f"{c.start}->{c.wait}", c.overlaps, c.needed_by,
              f"{c.hidden_s * 1e3:.3f}", f"{c.exposed_s * 1e3:.3f}")
             for i, c in enumerate(r.collectives)]
