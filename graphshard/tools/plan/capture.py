@@ -15,14 +15,11 @@ def capture_probes(target: str, layout: Layout, devices: int, seq: int, n_layers
                    knobs: Sequence[Knobs], cluster, model_args: dict) -> dict[Knobs, Probe]:
     """Capture `target` in `layout` (with `n_layers` blocks, or as built) and evaluate every
     knob set on its joint graph."""
-    import torch
-
     import graphshard
-    from graphshard._torch_compat import quiet_selective_checkpoint_notice
     from graphshard.compiler.backend import GraphshardCompiler
     from graphshard.compiler.options import GraphshardOptions
-    from graphshard.tools.dump.capture import CaptureComplete, caused_by
-    from graphshard.tools.dump.loading import load_workload, sharded_on_fake_cluster
+    from graphshard.tools.dump.capture import CaptureComplete
+    from graphshard.tools.dump.loading import DumpError, load_workload, sharded_on_fake_cluster
 
     args = dict(model_args) | ({"n_layers": n_layers} if n_layers is not None else {})
     workload = load_workload(target, batch=layout.micro_batch, seq_len=seq, model_args=args)
@@ -31,45 +28,68 @@ def capture_probes(target: str, layout: Layout, devices: int, seq: int, n_layers
 
     class Recorder(GraphshardCompiler):
         def partition(self, joint, joint_inputs, **kwargs):
-            probes.update(_probes(self, joint, joint_inputs, kwargs, knobs, cluster, devices))
+            probes.update(_probes(self, joint, joint_inputs, kwargs, knobs, cluster, devices,
+                                  layout.tp))
             raise CaptureComplete()  # nothing needs to run
 
     low = layout.param_dtype != "float32"
-    with sharded_on_fake_cluster(workload, devices, layout.strategy, layout.shard_size,
-                                 param_dtype=layout.param_dtype if low else None,
-                                 reduce_dtype="float32" if low else None):
-        recorder = Recorder(GraphshardOptions(compiler="eager"), cluster=cluster)
-        torch.compiler.reset()
-        try:
-            # The policy is graphshard's: Dynamo's advice on a user's own selective
-            # checkpointing policy, logged at every capture, is noise among the progress lines.
-            with quiet_selective_checkpoint_notice():
-                workload.run(torch.compile(workload.model, backend=recorder, fullgraph=True))
-        except Exception as e:
-            if not caused_by(e, CaptureComplete):
-                raise
-        finally:
-            torch.compiler.reset()
+    try:
+        with sharded_on_fake_cluster(workload, devices, layout.strategy, layout.shard_size,
+                                     param_dtype=layout.param_dtype if low else None,
+                                     reduce_dtype="float32" if low else None, tp=layout.tp):
+            # MFU counts every parameter once, whole (a TP rank's graph reads its piece)
+            trainable = sum(p.numel() for p in workload.model.parameters() if p.requires_grad)
+            _run(workload, Recorder(GraphshardOptions(compiler="eager"), cluster=cluster))
+    except DumpError as e:  # the model's TP plan cannot split it this way (heads, widths)
+        raise PlanError(f"{target}: {e}") from None
+    for probe in probes.values():
+        probe.trainable_params = trainable
     if not probes:
         raise PlanError(f"{target}: no sharded training graph reached the backend (does the model "
                         "have trainable parameters read in forward?)")
     return probes
 
 
-def capture_job(job: tuple) -> dict[Knobs, Probe]:
+def _run(workload, recorder) -> None:
+    import torch
+
+    from graphshard._torch_compat import quiet_selective_checkpoint_notice
+    from graphshard.tools.dump.capture import CaptureComplete, caused_by
+
+    torch.compiler.reset()
+    try:
+        # The policy is graphshard's: Dynamo's advice on a user's own selective
+        # checkpointing policy, logged at every capture, is noise among the progress lines.
+        with quiet_selective_checkpoint_notice():
+            workload.run(torch.compile(workload.model, backend=recorder, fullgraph=True))
+    except Exception as e:
+        if not caused_by(e, CaptureComplete):
+            raise
+    finally:
+        torch.compiler.reset()
+
+
+def capture_job(job: tuple) -> dict[Knobs, Probe] | str:
     """One capture in a worker process; the simulated events stay there (only --trace needs
-    them, for one configuration)."""
-    probes = capture_probes(*job)
+    them, for one configuration). A layout the model's TP plan cannot split: why, instead."""
+    try:
+        probes = capture_probes(*job)
+    except PlanError as e:
+        if job[1].tp == 1:
+            raise
+        return str(e)
     for probe in probes.values():
         probe.estimates = None
     return probes
 
 
-def _group_links(joint, cluster, devices: int) -> dict:
+def _group_links(joint, cluster, devices: int, tp: int) -> dict:
     """Each process group's link: a shard group of s contiguous ranks stays in a node when
     s <= devices per node; a replica group (stride s) spans every node of the cluster."""
     from graphshard.passes.graph_utils import is_unshard
     from graphshard.passes.markers import UnshardSpec
+
+    from graphshard.passes.graph_utils import collective_group, is_collective
 
     node = cluster.devices_per_node or devices
     links = {}
@@ -77,13 +97,17 @@ def _group_links(joint, cluster, devices: int) -> dict:
         if is_unshard(n):
             spec = UnshardSpec.from_node(n)
             for position, (group, size) in enumerate(zip(spec.reduce_groups, spec.reduce_sizes)):
-                span = size if position == 0 else devices - devices // size + 1
+                # a shard group's ranks are tp devices apart (TP innermost)
+                span = size * tp if position == 0 else devices - devices // size + 1
                 links[group] = cluster.link(spans_nodes=span > node)
+    for n in joint.graph.nodes:  # the TP plan's collectives: within a node
+        if is_collective(n) and collective_group(n)[0] not in links:
+            links[collective_group(n)[0]] = cluster.link(spans_nodes=False)
     return links
 
 
 def _probes(compiler, joint, joint_inputs, kwargs, knobs: Sequence[Knobs], cluster,
-            devices: int) -> dict[Knobs, Probe]:
+            devices: int, tp: int) -> dict[Knobs, Probe]:
     """Evaluate every knob set on one joint graph: its partition and split stages (sharing
     the stages knob sets have in common), then the estimate."""
     from graphshard.compiler.partition import gradient_bytes, model_state_bytes, trainable_reads
@@ -102,7 +126,7 @@ def _probes(compiler, joint, joint_inputs, kwargs, knobs: Sequence[Knobs], clust
     # The collectives as the cluster's process groups run them (the capture's are fake).
     transport = GraphshardOptions().via_all_to_all(on_gloo=cluster.collective_backend == "gloo")
     compiler.split_context = compiler.split_context._replace(via_all_to_all=transport, group_ranks={})
-    links = _group_links(joint, cluster, devices)
+    links = _group_links(joint, cluster, devices, tp)
 
     def probe(forward, backward) -> Probe:
         estimates = {kind: graph_estimate(gm, cluster, group_specs=links, graph_kind=kind)

@@ -41,6 +41,9 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--ac", default="none,full,selective", metavar="MODE[,MODE...]",
                    help=f"{AC_HELP}; the modes to try, comma-separated (default: all three)")
     p.add_argument("--dtypes", default="bf16,fp32", help="parameter dtypes to try")
+    p.add_argument("--tp", default="1,2,4,8", metavar="N[,N...]",
+                   help="tensor-parallel degrees to try, within a node (default 1,2,4,8: those "
+                        "that fit a node and the model's heads)")
     p.add_argument("--top", type=int, default=10, help="rows of the table")
     p.add_argument("--out", default="graphshard_plan.json", help="the best configuration (JSON)")
     p.add_argument("--json", help="every configuration tried, best first")
@@ -74,6 +77,16 @@ def _dtypes(text: str) -> list[str]:
     return names
 
 
+def _tp_sizes(text: str) -> list[int]:
+    try:
+        sizes = [int(t) for t in text.split(",")]
+    except ValueError:
+        sizes = []
+    if not sizes or any(t < 1 for t in sizes):
+        raise PlanError(f"--tp takes positive integers, comma-separated (e.g. 1,2,4,8); got {text!r}")
+    return sizes
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     from graphshard.compiler.clusters import resolve_cluster
     from graphshard.tools.arguments import parse_ac_modes, parse_model_args
@@ -86,12 +99,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         model_args = dict(_parsed("--model-args", parse_model_args, args.model_args))
         ac_modes = _parsed("--ac", parse_ac_modes, args.ac)
         dtypes = _dtypes(args.dtypes)
+        tp_sizes = _tp_sizes(args.tp)
         progress = (lambda m: None) if args.quiet else (lambda m: print(f"graphshard plan {m}",
                                                                         file=sys.stderr, flush=True))
         started = time.perf_counter()
         configs = plan(args.target, args.devices, cluster, args.global_batch, args.seq,
                        model_args=model_args, ac_modes=ac_modes, dtypes=dtypes,
-                       workers=args.jobs, progress=progress)
+                       tp_sizes=tp_sizes, workers=args.jobs, progress=progress)
         took = time.perf_counter() - started
         if not configs[0].fits:
             smallest = min(configs, key=lambda c: c.peak_memory_bytes)

@@ -65,12 +65,24 @@ class Config:
         return self.layout.strategy
 
     def mesh_shape(self, devices: int) -> list[int]:
+        """Data-parallel dims ((replicate, shard) for hybrid_shard), then tp where tp > 1."""
+        data_parallel, tp = devices // self.layout.tp, self.layout.tp
+        shape = [data_parallel]
         if self.layout.strategy == "hybrid_shard":
-            return [devices // self.layout.shard_size, self.layout.shard_size]
-        return [devices]
+            shape = [data_parallel // self.layout.shard_size, self.layout.shard_size]
+        return shape + ([tp] if tp > 1 else [])
+
+    def mesh_dim_names(self) -> list[str]:
+        names = ["replicate", "shard"] if self.layout.strategy == "hybrid_shard" else ["dp"]
+        return names + (["tp"] if self.layout.tp > 1 else [])
 
     def shard_kwargs(self, devices: int) -> dict:
-        kwargs = {"strategy": self.strategy_name, "mesh_shape": self.mesh_shape(devices)}
+        """graphshard.shard's keyword arguments, plus the mesh: build it with
+        init_device_mesh(device, mesh_shape, mesh_dim_names=mesh_dim_names), apply the TP plan
+        on mesh["tp"] (graphshard.parallelize) where tensor_parallel > 1, and shard over the
+        other dims."""
+        kwargs = {"strategy": self.strategy_name, "mesh_shape": self.mesh_shape(devices),
+                  "mesh_dim_names": self.mesh_dim_names(), "tensor_parallel": self.layout.tp}
         if self.layout.param_dtype != "float32":
             kwargs |= {"param_dtype": self.layout.param_dtype, "reduce_dtype": "float32"}
         return kwargs
@@ -105,6 +117,7 @@ def finish(layout: Layout, knobs: Knobs, probe: Probe, *, accumulation: int, clu
     # Micro-batches after the first run with the earlier ones' gradients held.
     peak = probe.state_bytes + probe.transient_bytes + (probe.gradient_bytes if accumulation > 1 else 0)
     peak_flops = cluster.peak_flops(dtype_from_name(layout.param_dtype))
+    # `tokens` are the global batch's: each TP group of layout.tp devices trains its share
     limit = cluster.device_memory_bytes
     fits = limit is None or peak <= limit
     why = "" if fits else f"needs {human_bytes(peak)} per device > {human_bytes(limit)}"

@@ -22,7 +22,8 @@ def table(configs: Sequence[Config], devices: int, cluster, top: int) -> str:
     for rank, c in enumerate(configs[:top], 1):
         keep = KEEP_LABELS.get(c.knobs.keep) or f"{c.kept_blocks} blocks"
         rows.append([
-            rank, c.strategy_name, "x".join(map(str, c.mesh_shape(devices))), c.layout.ac,
+            rank, c.strategy_name, "x".join(map(str, c.mesh_shape(devices))), c.layout.tp,
+            c.layout.ac,
             "bf16" if c.layout.param_dtype == "bfloat16" else "fp32",
             f"{c.layout.micro_batch}x{c.accumulation}", keep, c.knobs.prefetch, f"{c.knobs.bucket_mb:g}",
             f"{c.step_s * 1e3:.1f}", f"{c.tokens_per_s / devices:,.0f}", f"{100 * c.mfu:.1f}",
@@ -30,7 +31,7 @@ def table(configs: Sequence[Config], devices: int, cluster, top: int) -> str:
             human_bytes(c.comm_bytes), f"{c.exposed_comm_s * 1e3:.1f}",
             "yes" if c.fits else f"no: {c.why}"])
     return tabulate(rows, headers=[
-        "#", "strategy", "mesh", "AC", "dtype", "micro x acc", "kept gathered", "prefetch",
+        "#", "strategy", "mesh", "TP", "AC", "dtype", "micro x acc", "kept gathered", "prefetch",
         "bucket MiB", "step ms", "tokens/s/dev", "MFU %", "peak / device", "comm / device",
         "exposed ms", "fits"])
 

@@ -12,7 +12,8 @@ from graphshard.tools.plan.auto import auto_config
 from graphshard.tools.plan.capture import capture_job, capture_probes
 from graphshard.tools.plan.config import Config, finish
 from graphshard.tools.plan.pool import capture_pool
-from graphshard.tools.plan.space import KNOBS, Knobs, Layout, PlanError, layouts
+from graphshard.tools.plan.space import (KNOBS, TP_DEGREES, Knobs, Layout, PlanError, layouts,
+                                         tp_degrees)
 from graphshard.tools.plan.target import at_depth, check_factory_takes_shape, depth_probes
 
 
@@ -34,7 +35,8 @@ def predict(target: str, devices: int, cluster, global_batch: int, seq: int, lay
     captured = [capture_probes(target, layout, devices, seq, n, (knob,), cluster, model_args)
                 for n in probe_sizes]
     return finish(layout, knobs, at_depth(captured, probe_sizes, depth, knob),
-                  accumulation=global_batch // devices // layout.micro_batch, cluster=cluster,
+                  accumulation=global_batch * layout.tp // devices // layout.micro_batch,
+                  cluster=cluster,
                   devices=devices, tokens=global_batch * seq)
 
 
@@ -53,7 +55,7 @@ def check_plan_input(devices: int, cluster, global_batch: int) -> None:
 def plan(target: str, devices: int, cluster, global_batch: int, seq: int, *,
          model_args: dict | None = None, ac_modes: Sequence[str] = ("none", "full", "selective"),
          dtypes: Sequence[str] = ("bfloat16", "float32"), knobs: Sequence[Knobs] = KNOBS,
-         workers: int = 1, progress: Callable[[str], None] = lambda message: None) -> list[Config]:
+         tp_sizes: Sequence[int] = TP_DEGREES, workers: int = 1, progress: Callable[[str], None] = lambda message: None) -> list[Config]:
     """Every configuration, best first (fitting ones by step time, then the rest by peak)."""
     model_args = dict(model_args or {})
     check_plan_input(devices, cluster, global_batch)
@@ -64,7 +66,9 @@ def plan(target: str, devices: int, cluster, global_batch: int, seq: int, *,
         ac_modes = ("none",)  # no repeated blocks to checkpoint
     local_batch = global_batch // devices
     tokens = global_batch * seq
-    candidates = layouts(devices, cluster.devices_per_node, local_batch, ac_modes, dtypes)
+    tp_sizes = tp_degrees(devices, cluster.devices_per_node, local_batch, tp_sizes)
+    candidates = layouts(devices, cluster.devices_per_node, local_batch, ac_modes, dtypes,
+                         tp_sizes)
     configs: list[Config] = []
     started = time.perf_counter()
     jobs = [(target, layout, devices, seq, n, tuple(knobs), cluster, model_args)
@@ -75,10 +79,15 @@ def plan(target: str, devices: int, cluster, global_batch: int, seq: int, *,
         results = iter(pool.map(capture_job, jobs))
         for index, layout in enumerate(candidates):
             captured = [next(results) for _ in probe_sizes]
-            progress(f"[{time.perf_counter() - started:5.1f} s] layout {index + 1}/{len(candidates)}"
-                     f" done: {layout}")
+            done = f"[{time.perf_counter() - started:5.1f} s] layout {index + 1}/{len(candidates)}"
+            unsplittable = next((c for c in captured if isinstance(c, str)), None)
+            if unsplittable is not None:
+                progress(f"{done} skipped: {unsplittable}")
+                continue
+            progress(f"{done} done: {layout}")
             at = functools.partial(at_depth, captured, probe_sizes, depth)
-            finish_layout = functools.partial(finish, accumulation=local_batch // layout.micro_batch,
+            rank_batch = local_batch * layout.tp  # a data-parallel rank's share
+            finish_layout = functools.partial(finish, accumulation=rank_batch // layout.micro_batch,
                                               cluster=cluster, devices=devices, tokens=tokens)
             for knob in knobs:
                 configs.append(finish_layout(layout, knob, at(knob)))

@@ -20,7 +20,8 @@ class Layout:
     shard_size: int  # ranks per shard group (all devices for full_shard)
     ac: str  # activation checkpointing: "none", "full", "selective"
     param_dtype: str  # "bfloat16" (fp32 reduction) or "float32"
-    micro_batch: int  # per device
+    micro_batch: int  # per data-parallel rank (its TP ranks share it)
+    tp: int = 1  # tensor-parallel degree, within a node; shard_size counts data-parallel ranks
 
 
 @dataclass(frozen=True)
@@ -50,10 +51,28 @@ def micro_batches(local_batch: int) -> list[int]:
                   reverse=True)
 
 
+TP_DEGREES = (1, 2, 4, 8)
+
+
+def tp_degrees(devices: int, devices_per_node: int | None, local_batch: int,
+               wanted: Sequence[int] = TP_DEGREES) -> list[int]:
+    """The TP degrees that fit: within a node, dividing the devices."""
+    node = devices_per_node or devices
+    return [tp for tp in wanted if tp <= node and node % tp == 0 and devices % tp == 0]
+
+
 def layouts(devices: int, devices_per_node: int | None, local_batch: int,
-            ac_modes: Sequence[str], dtypes: Sequence[str]) -> list[Layout]:
-    strategies = [("full_shard", devices)] + [("hybrid_shard", s)
-                                              for s in shard_group_sizes(devices, devices_per_node)]
-    return [Layout(strategy, size, ac, dtype, micro)
-            for (strategy, size), ac, dtype, micro in itertools.product(
-                strategies, ac_modes, dtypes, micro_batches(local_batch))]
+            ac_modes: Sequence[str], dtypes: Sequence[str],
+            tp_sizes: Sequence[int] = (1,)) -> list[Layout]:
+    """`local_batch`: the global batch over `devices` (a data-parallel rank of a TP group of
+    tp trains tp times that)."""
+    node = devices_per_node or devices
+    found = []
+    for tp in tp_sizes:
+        data_parallel = devices // tp
+        strategies = [("full_shard", data_parallel)] + [
+            ("hybrid_shard", s) for s in shard_group_sizes(data_parallel, node // tp)]
+        found += [Layout(strategy, size, ac, dtype, micro, tp)
+                  for (strategy, size), ac, dtype, micro in itertools.product(
+                      strategies, ac_modes, dtypes, micro_batches(local_batch * tp))]
+    return found
