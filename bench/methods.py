@@ -127,10 +127,19 @@ def _alone(model: nn.Module, mesh: DeviceMesh) -> nn.Module:
     return model
 
 
+def _collectives_only(model: nn.Module, mesh: DeviceMesh) -> nn.Module:
+    from graphshard.bench.collectives_only import CollectivesOnly
+
+    return CollectivesOnly(model, mesh)
+
+
 METHODS: dict[str, Method] = {
     # A floor, not a way to train: each rank steps its own unsharded copy, no communication.
     "compute_only": Method(_compiled(_alone), True,
                            "no communication: each rank's unsharded model compiled (Inductor)"),
+    # The other floor: graphshard's step's collectives replayed alone, no compute.
+    "collectives_only": Method(_collectives_only, True,
+                               "graphshard's collectives alone (recorded at its first step), no compute"),
     "ddp_eager": Method(_ddp, False, "DDP, eager"),
     "ddp_compile": Method(_compiled(_ddp), True, "torch.compile(DDP(model)), Inductor"),
     "fsdp2_eager": Method(_fsdp2, False, "FSDP2 fully_shard per block + root, eager"),
@@ -151,7 +160,7 @@ METHODS: dict[str, Method] = {
 
 # Ratios in the table are against these two.
 BASELINES = ("fsdp2_eager", "ddp_eager")
-DEFAULT_METHODS = tuple(name for name in METHODS if name != "compute_only")
+DEFAULT_METHODS = tuple(name for name in METHODS if name not in ("compute_only", "collectives_only"))
 
 
 # Keys of a graphshard variant that are not backend options.

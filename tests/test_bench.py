@@ -318,3 +318,36 @@ def test_bench_runs_the_compiled_peers_and_they_train_as_ddp(tmp_path):
     full = methods["simplefsdp_full"]["collectives_by_kind"]
     assert full["all_gather"] >= params  # one per parameter, at least once
     assert "all_gather" not in methods["simplefsdp_hybrid"]["collectives_by_kind"]
+
+
+def _profiled_replay(rank: int, world: int) -> tuple[dict, dict]:
+    """graphshard's real step and its collectives replayed alone, each profiled like the bench."""
+    from graphshard.bench.collectives_only import CollectivesOnly
+    from graphshard.bench.harness import make_optimizer, make_train_step
+
+    cfg = BenchConfig(model_args=tuple(MODEL_ARGS.items()), nproc=world)
+    workload = build_workload(cfg.model, cfg.batch, cfg.seq, cfg.seed, MODEL_ARGS)
+    inputs, mesh = workload.local_inputs(rank, world), init_device_mesh("cpu", (world,))
+    profiles = []
+    for setup in (lambda m: set_up(GRAPHSHARD, cfg, workload, mesh, inputs),
+                  lambda m: make_train_step(
+                      module := CollectivesOnly(m, mesh, {"compiler": "eager",
+                                                          "all_gather": "native"}),
+                      workload.loss_fn, inputs, make_optimizer(cfg, module.parameters()))):
+        step = setup(__import__("copy").deepcopy(workload.model))
+        step(), step()
+        with memory_profile() as prof:
+            with measured_step():
+                step()
+        profiles.append(asdict(analyze(prof, world)))
+    return tuple(profiles)
+
+
+@pytest.mark.timeout(300)
+def test_collectives_only_replays_graphshards_collectives_without_its_compute():
+    """The replayed step issues what graphshard's step issues, kind by kind and byte by byte,
+    and trains nothing: its one parameter is a scalar."""
+    for real, replay in run_local(_profiled_replay, 2):
+        assert replay["collectives"] == real["collectives"]
+        assert replay["comm_bytes"] == real["comm_bytes"]
+        assert replay["peak_bytes"] < real["peak_bytes"]
