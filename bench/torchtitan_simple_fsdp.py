@@ -23,6 +23,11 @@ around them, and why:
   and handed to this method's `torch.compile(options=...)` alone, so the other methods in the
   same process compile as they would on their own. torchtitan's `apply_compile` also sets
   `reorder_for_peak_memory=False` (passed the same way).
+- torchtitan's passes do not run on a CPU-only torch: both estimate each node's runtime with a
+  roofline that reads the GPU's DRAM bandwidth through Triton (`get_gpu_dram_gbps`), and raise
+  `ModuleNotFoundError: triton`. The bench's methods compile with `passes="none"` (one gather
+  per parameter, as torchtitan's JIT mode without a pass); `simple_fsdp(..., passes=...)` picks
+  one where Triton is present.
 - Tied weights: `data_parallel` shards each module's parameters separately, which would untie
   a shared embedding and output weight (torchtitan's Llama has none); the bench ties them
   again, so the model trained is every method's.
