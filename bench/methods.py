@@ -61,10 +61,17 @@ def _fsdp2_compiled(model: nn.Module, mesh: DeviceMesh) -> nn.Module:
     return _fsdp2(model, mesh, compile_blocks=True)
 
 
-def _simple_fsdp(model: nn.Module, mesh: DeviceMesh) -> nn.Module:
-    from graphshard.bench.simple_fsdp import data_parallel
+def _simple_fsdp(mode: str) -> SetupFn:
+    def setup(model: nn.Module, mesh: DeviceMesh) -> nn.Module:
+        from graphshard.bench import torchtitan_simple_fsdp as titan
 
-    return data_parallel(model, mesh)
+        try:
+            titan.torchtitan_modules()
+        except titan.TorchtitanUnavailable as exc:
+            raise MethodUnavailable(str(exc)) from exc
+        return titan.simple_fsdp(model, mesh, mode)
+
+    return setup
 
 
 def _graphshard_backend() -> object:
@@ -120,17 +127,30 @@ def _alone(model: nn.Module, mesh: DeviceMesh) -> nn.Module:
     return model
 
 
+def _collectives_only(model: nn.Module, mesh: DeviceMesh) -> nn.Module:
+    from graphshard.bench.collectives_only import CollectivesOnly
+
+    return CollectivesOnly(model, mesh)
+
+
 METHODS: dict[str, Method] = {
     # A floor, not a way to train: each rank steps its own unsharded copy, no communication.
     "compute_only": Method(_compiled(_alone), True,
                            "no communication: each rank's unsharded model compiled (Inductor)"),
+    # The other floor: graphshard's step's collectives replayed alone, no compute.
+    "collectives_only": Method(_collectives_only, True,
+                               "graphshard's collectives alone (recorded at its first step), no compute"),
     "ddp_eager": Method(_ddp, False, "DDP, eager"),
     "ddp_compile": Method(_compiled(_ddp), True, "torch.compile(DDP(model)), Inductor"),
     "fsdp2_eager": Method(_fsdp2, False, "FSDP2 fully_shard per block + root, eager"),
     "fsdp2_compile": Method(_fsdp2_compiled, True, "FSDP2 per block + root, blocks compiled (Inductor)"),
-    # fullgraph: a graph break would silently turn the peer into a piecewise-compiled model.
-    "simplefsdp": Method(_compiled(_simple_fsdp, fullgraph=True), True,
-                         "SimpleFSDP-style DTensor params, whole model compiled (Inductor)"),
+    # torchtitan's own SimpleFSDP (bench/torchtitan_simple_fsdp.py): whole model compiled
+    # (fullgraph: a graph break would silently make the peer piecewise-compiled) with its
+    # transformer-block bucketing and reordering.
+    "simplefsdp_full": Method(_simple_fsdp("fully_shard"), True,
+                              "torchtitan SimpleFSDP fully_shard, compiled (Inductor) + its passes"),
+    "simplefsdp_hybrid": Method(_simple_fsdp("hybrid_shard"), True,
+                                "torchtitan SimpleFSDP hybrid_shard (2 replicas), compiled + its passes"),
     "graphshard": Method(_graphshard_compiled(None), True, "graphshard.shard + backend='graphshard'"),
     "graphshard_nopasses": Method(
         _graphshard_compiled({"bucket_mb": 0, "reorder": False}), True,
@@ -140,7 +160,7 @@ METHODS: dict[str, Method] = {
 
 # Ratios in the table are against these two.
 BASELINES = ("fsdp2_eager", "ddp_eager")
-DEFAULT_METHODS = tuple(name for name in METHODS if name != "compute_only")
+DEFAULT_METHODS = tuple(name for name in METHODS if name not in ("compute_only", "collectives_only"))
 
 
 # Keys of a graphshard variant that are not backend options.

@@ -472,3 +472,19 @@ def non_persistent_buffer_names(module: torch.nn.Module) -> set[str]:
     dict: load_pretrained computes them instead of reading them). Public replacement: none
     (comparing named_buffers with state_dict keys builds the whole state dict)."""
     return set(module._non_persistent_buffers_set)
+
+
+def inductor_config_changes_made_by(fn: Callable[[], Any]) -> dict[str, Any]:
+    """Run `fn`, which sets Inductor's global config (torchtitan's JIT recipe does), and return
+    what it changed as `torch.compile(options=...)` keys, the global config put back as it was:
+    the bench compiles one method with them and every other method without. Public
+    replacement: none (torch._inductor.config)."""
+    import torch._inductor.config as inductor_config
+
+    before = inductor_config.get_config_copy()
+    try:
+        fn()
+        after = inductor_config.get_config_copy()
+    finally:
+        inductor_config.load_config(before)
+    return {key: value for key, value in after.items() if before.get(key) != value}

@@ -210,3 +210,142 @@ def test_bench_and_the_tools_share_one_workload_and_one_model_args_parser(capsys
     with pytest.raises(SystemExit):
         main(["--model-args", "dim"])
     assert "argument --model-args: expected KEY=VALUE, got 'dim'" in capsys.readouterr().err
+
+
+# --------------------------------------------------------------------------- torchtitan's SimpleFSDP
+
+from graphshard.bench import torchtitan_simple_fsdp as titan  # noqa: E402
+
+
+def _torchtitan_or_skip():
+    try:
+        titan.torchtitan_modules()
+    except titan.TorchtitanUnavailable as exc:
+        pytest.skip(str(exc))
+
+
+def test_simplefsdp_is_unavailable_without_torchtitan(monkeypatch):
+    """Without the package the method says how to install it (no-deps) and the bench goes on."""
+    import sys
+
+    from graphshard.bench.methods import MethodUnavailable, method
+
+    for name in ("torchtitan.experiments.graph_trainer.simple_fsdp",
+                 "torchtitan.experiments.graph_trainer.jit_backend"):
+        monkeypatch.delitem(sys.modules, name, raising=False)
+    monkeypatch.setattr(titan.importlib.util, "find_spec", lambda name: None)
+    workload = build_workload("transformer", 2, 8, 0, MODEL_ARGS)
+    with pytest.raises(MethodUnavailable, match="--no-deps torchtitan==0.3.0"):
+        method("simplefsdp_full").setup(workload.model, None)
+
+
+def test_simplefsdp_bucket_plan_is_torchtitans_embeddings_tail_and_blocks():
+    model = build_workload("transformer", 2, 8, 0, {"dim": 32, "n_layers": 2}).model
+    assert titan.bucket_plan(titan.GlobalTokenLoss(model, 2)) == [
+        ["model.tok_embeddings", "model.pos_embeddings"], ["model.norm", "model.output"],
+        "model.layers.0", "model.layers.1"]
+
+
+def test_simplefsdp_compile_options_are_torchtitans_and_leave_the_global_config_alone():
+    """torchtitan's JIT recipe sets Inductor's global config; the bench hands the changes to
+    the method's own compile and puts the global config back."""
+    _torchtitan_or_skip()
+    model = build_workload("transformer", 2, 8, 0, MODEL_ARGS).model
+    manual = titan.compile_options(model, "transformer_block_bucketing")
+    auto = titan.compile_options(model, "auto_bucketing")
+    # Had the first call's changes stayed global, the same call again would change nothing.
+    assert titan.compile_options(model, "transformer_block_bucketing").keys() == manual.keys()
+    assert callable(manual["post_grad_custom_post_pass"]) and manual["allow_buffer_reuse"] is False
+    assert auto["aten_distributed_optimizations.collective_bucketing"] is True
+    assert titan.compile_options(model, "none") == {"reorder_for_peak_memory": False}
+    with pytest.raises(ValueError, match="valid: transformer_block_bucketing"):
+        titan.compile_options(model, "bucket_everything")
+
+
+@pytest.mark.parametrize("fake_pg", [4], indirect=True)
+def test_simplefsdp_shards_keeps_ties_and_each_setup_gets_its_own_mesh(fake_pg):
+    """torchtitan's data_parallel on the bench's mesh: every parameter a DTensor, the tied
+    embedding/output weight one parameter, and a hybrid_shard set up after a fully_shard in the
+    same process gathers over its own 2-D mesh (not the first call's)."""
+    from torch.distributed.tensor import DTensor
+
+    _torchtitan_or_skip()
+    mesh = init_device_mesh("cpu", (4,))
+    tied = MODEL_ARGS | {"weight_tying": True}
+    full = titan.data_parallel(build_workload("transformer", 2, 8, 0, tied).model, mesh,
+                               "fully_shard")
+    hybrid = titan.data_parallel(build_workload("transformer", 2, 8, 0, tied).model, mesh,
+                                 "hybrid_shard")
+    for model, placements in ((full, "(Shard(dim=0),)"), (hybrid, "(Replicate(), Shard(dim=0))")):
+        assert all(isinstance(p, DTensor) for p in model.parameters())
+        assert model.output._parameters["weight"] is model.tok_embeddings._parameters["weight"]
+        assert str(model.output._parameters["weight"].placements) == placements
+    assert type(full.layers[0]) is not type(hybrid.layers[0])
+    assert hybrid.layers[0].attention.wq.weight.shape == (32, 32)  # gathered for compute
+    with pytest.raises(ValueError, match="valid: fully_shard, hybrid_shard"):
+        titan.data_parallel(full, mesh, "replicate")
+
+
+def test_simplefsdp_scales_the_output_gradient_by_the_world_size():
+    """Partial('sum') gradients over a per-rank mean loss: 1 / world size makes them DDP's."""
+    x = torch.ones(3, requires_grad=True)
+    titan.GlobalTokenLoss(torch.nn.Identity(), 4)(x).sum().backward()
+    assert torch.equal(x.grad, torch.full((3,), 0.25))
+
+
+COMPILED_PEERS = ("ddp_eager", "ddp_compile", "fsdp2_compile", "simplefsdp_full",
+                  "simplefsdp_hybrid")
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+def test_bench_runs_the_compiled_peers_and_they_train_as_ddp(tmp_path):
+    """DDP and FSDP2 compiled and torchtitan's SimpleFSDP (both modes) run in one bench launch,
+    their losses DDP's; SimpleFSDP's all-gathers unbucketed (torchtitan's passes need Triton)."""
+    _torchtitan_or_skip()
+    out = tmp_path / "results.json"
+    model_args = ",".join(f"{k}={v}" for k, v in MODEL_ARGS.items())
+    assert main(["--model", "transformer", "--model-args", model_args, "--nproc", "2",
+                 "--methods", ",".join(COMPILED_PEERS), "--steps", "2", "--repeats", "1",
+                 "--warmup", "1", "--json", str(out)]) == 0
+    methods = json.loads(out.read_text())["methods"]
+    for name in COMPILED_PEERS:
+        assert methods[name]["status"] == "ok", (name, methods[name]["status"])
+        assert methods[name]["loss_max_abs_diff"] <= 1e-4, name
+    params = len(list(build_workload("transformer", 8, 32, 0, MODEL_ARGS).model.parameters()))
+    full = methods["simplefsdp_full"]["collectives_by_kind"]
+    assert full["all_gather"] >= params  # one per parameter, at least once
+    assert "all_gather" not in methods["simplefsdp_hybrid"]["collectives_by_kind"]
+
+
+def _profiled_replay(rank: int, world: int) -> tuple[dict, dict]:
+    """graphshard's real step and its collectives replayed alone, each profiled like the bench."""
+    from graphshard.bench.collectives_only import CollectivesOnly
+    from graphshard.bench.harness import make_optimizer, make_train_step
+
+    cfg = BenchConfig(model_args=tuple(MODEL_ARGS.items()), nproc=world)
+    workload = build_workload(cfg.model, cfg.batch, cfg.seq, cfg.seed, MODEL_ARGS)
+    inputs, mesh = workload.local_inputs(rank, world), init_device_mesh("cpu", (world,))
+    profiles = []
+    for setup in (lambda m: set_up(GRAPHSHARD, cfg, workload, mesh, inputs),
+                  lambda m: make_train_step(
+                      module := CollectivesOnly(m, mesh, {"compiler": "eager",
+                                                          "all_gather": "native"}),
+                      workload.loss_fn, inputs, make_optimizer(cfg, module.parameters()))):
+        step = setup(__import__("copy").deepcopy(workload.model))
+        step(), step()
+        with memory_profile() as prof:
+            with measured_step():
+                step()
+        profiles.append(asdict(analyze(prof, world)))
+    return tuple(profiles)
+
+
+@pytest.mark.timeout(300)
+def test_collectives_only_replays_graphshards_collectives_without_its_compute():
+    """The replayed step issues what graphshard's step issues, kind by kind and byte by byte,
+    and trains nothing: its one parameter is a scalar."""
+    for real, replay in run_local(_profiled_replay, 2):
+        assert replay["collectives"] == real["collectives"]
+        assert replay["comm_bytes"] == real["comm_bytes"]
+        assert replay["peak_bytes"] < real["peak_bytes"]
