@@ -77,17 +77,57 @@ def test_micro_batches_accumulate_to_the_global_batch():
     assert planner.shard_group_sizes(64, 8) == [8, 16, 32]
 
 
+def _built_as_planned(config: dict, target: str, **model_args):
+    """The model `config` (a plan JSON's configuration) describes, built as it says, on a fake
+    process group: mesh, TP plan, activation checkpointing, shard()."""
+    shard_kwargs = dict(config["shard"])
+    mesh_shape, names = shard_kwargs.pop("mesh_shape"), shard_kwargs.pop("mesh_dim_names")
+    tp = shard_kwargs.pop("tensor_parallel")
+    GraphshardOptions.from_dict(config["options"])
+    model, _, _ = build_model(target, batch=1, seq_len=32, **model_args)
+    graphshard.apply_activation_checkpointing(model, config["activation_checkpointing"])
+    mesh = init_device_mesh("cpu", tuple(mesh_shape), mesh_dim_names=tuple(names))
+    if tp > 1:
+        graphshard.parallelize(model, mesh["tp"])
+        mesh = mesh[tuple(names[:-1])]
+    graphshard.shard(model, mesh, **shard_kwargs)
+    return model
+
+
 def test_the_best_configuration_is_accepted_as_it_is(planned):
-    best = dict(planned["best"])
-    shard_kwargs = dict(best["shard"])
-    mesh_shape = shard_kwargs.pop("mesh_shape")
-    GraphshardOptions.from_dict(best["options"])
     init_fake_process_group(16)
     try:
-        model, _, _ = build_model("transformer", dim=64, vocab_size=256, batch=1, seq_len=32)
-        graphshard.apply_activation_checkpointing(model, best["activation_checkpointing"])
-        graphshard.shard(model, init_device_mesh("cpu", tuple(mesh_shape)), **shard_kwargs)
+        model = _built_as_planned(planned["best"], "transformer", dim=64, vocab_size=256)
         assert graphshard.is_sharded(model)
+    finally:
+        dist.destroy_process_group()
+
+
+LLAMA_ARGS = {"dim": 64, "n_layers": 2, "n_heads": 4, "n_kv_heads": 2, "vocab_size": 256,
+              "ffn_hidden": 128}
+
+
+def test_the_search_covers_tp_degrees_and_a_tp_configuration_builds_as_written(tmp_path):
+    argv = ["llama", "--model-args", ",".join(f"{k}={v}" for k, v in LLAMA_ARGS.items()),
+            "--seq", "32", "--devices", "8", "--cluster", "h100", "--global-batch", "8",
+            "--ac", "none", "--dtypes", "bf16", "--tp", "1,2,4", "--quiet",
+            "--json", str(tmp_path / "all.json"), "--out", str(tmp_path / "best.json")]
+    printed = io.StringIO()
+    with contextlib.redirect_stdout(printed):
+        assert planner.main(argv) == 0
+    configs = json.loads((tmp_path / "all.json").read_text())["configs"]
+    # tp 4 would cut the 2 KV heads: skipped; tp 2 runs over 4 data-parallel ranks
+    assert {c["shard"]["tensor_parallel"] for c in configs} == {1, 2}
+    with_tp = [c for c in configs if c["shard"]["tensor_parallel"] == 2]
+    assert {tuple(c["shard"]["mesh_shape"]) for c in with_tp} == {(4, 2)}
+    assert re.search(r"full_shard\s+4x2\s+2\s", printed.getvalue()), printed.getvalue()
+    # the same global batch: a data-parallel rank of a TP pair trains twice a device's share
+    assert {(c["micro_batch"] * c["accumulation_steps"]) for c in with_tp} == {2}
+    init_fake_process_group(8)
+    try:
+        model = _built_as_planned(with_tp[0], "llama", **LLAMA_ARGS)
+        weight = model.layers[0].attention.wq._parameters["weight"].placements
+        assert len(weight) == 2 and weight[1].is_shard(0)
     finally:
         dist.destroy_process_group()
 
