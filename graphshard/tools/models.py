@@ -116,6 +116,10 @@ LLAMA3_8B = LlamaConfig(
     vocab_size=128256, dim=4096, n_layers=32, n_heads=32, n_kv_heads=8,
     ffn_hidden=14336, max_seq_len=8192,
 )
+LLAMA3_70B = LlamaConfig(
+    vocab_size=128256, dim=8192, n_layers=80, n_heads=64, n_kv_heads=8,
+    ffn_hidden=28672, max_seq_len=8192,
+)
 
 
 class RMSNorm(nn.Module):
@@ -260,9 +264,9 @@ def build_transformer(batch: int = 8, seq_len: int = 32, **overrides):
 
 
 def build_llama(batch: int = 4, seq_len: int = 64, preset: str | None = None, **overrides):
-    base = {"llama3-8b": LLAMA3_8B, None: LlamaConfig()}.get(preset)
+    base = {"llama3-8b": LLAMA3_8B, "llama3-70b": LLAMA3_70B, None: LlamaConfig()}.get(preset)
     if base is None:
-        raise ValueError(f"unknown llama preset {preset!r}; valid: 'llama3-8b'")
+        raise ValueError(f"unknown llama preset {preset!r}; valid: 'llama3-8b', 'llama3-70b'")
     config = _config_from(LlamaConfig, base, overrides)
     model = Llama(config)
     tokens = synthetic_tokens(config.vocab_size, batch, min(seq_len, config.max_seq_len))
@@ -274,6 +278,7 @@ BUILTIN_MODELS: dict[str, Callable] = {
     "transformer-large": lambda **kw: build_transformer(**{"dim": 512, "n_layers": 8, "n_heads": 8, **kw}),
     "llama": build_llama,
     "llama3-8b": lambda **kw: build_llama(preset="llama3-8b", **kw),
+    "llama3-70b": lambda **kw: build_llama(preset="llama3-70b", **kw),
 }
 
 

@@ -36,7 +36,7 @@ def _parser() -> argparse.ArgumentParser:
                             "An error prints one line; --traceback (or the environment "
                             f"variable {TRACEBACK_ENV}=1) raises it with its traceback instead.")
     p.add_argument("target", help="built-in model (transformer, transformer-large, llama, "
-                                  "llama3-8b), package.module:factory or path/file.py:factory")
+                                  "llama3-8b, llama3-70b), package.module:factory or path/file.py:factory")
     p.add_argument("--world-size", "-n", type=int, default=8, help="ranks to simulate (default 8)")
     p.add_argument("--strategy", default="full_shard",
                    help="full_shard, shard_grad_op, no_shard or hybrid_shard")
