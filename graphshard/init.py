@@ -24,7 +24,7 @@ import torch
 import torch.nn as nn
 from torch.distributed.tensor import DTensor
 
-from graphshard.runtime.parts import local_dim0_slice
+from graphshard.runtime.parts import this_rank_part
 from graphshard.sharding import bind_local_shards
 from graphshard.state import module_shards, plain_class, shard_state
 
@@ -104,13 +104,8 @@ def materialize(model: nn.Module, device: str | torch.device = "cpu",
 def _shard_of(full: nn.Parameter, old: nn.Parameter, spec, mesh) -> nn.Parameter:
     if not isinstance(old, DTensor):
         return nn.Parameter(full.detach(), requires_grad=old.requires_grad)
-    shard_dim = mesh.ndim - 1
-    if spec.gather_group:  # sharded on dim 0
-        local = local_dim0_slice(full.detach(), mesh.get_local_rank(shard_dim),
-                                 mesh.size(shard_dim))
-    else:
-        local = full.detach()
-    local = local.clone(memory_format=torch.contiguous_format)  # own storage: only the shard
-    dtensor = DTensor.from_local(local, mesh, old.placements, run_check=False,
+    # this rank's part as `old` lays it out (a TP piece first, then the dim-0 shard of it)
+    local = this_rank_part(full, old).clone(memory_format=torch.contiguous_format)
+    dtensor = DTensor.from_local(local, old.device_mesh, old.placements, run_check=False,
                                  shape=old.shape, stride=old.stride())
     return nn.Parameter(dtensor, requires_grad=old.requires_grad)
