@@ -28,6 +28,8 @@ CONFIGS = [
     ("eager-4v1", None, [(4, 1)]),
     ("inductor-3v2", {}, [(3, 2)]),
     ("inductor-native-4v1", {"options": NATIVE}, [(4, 1)]),  # the NCCL path's collectives
+    # planned alone, the backward's prefetches and reductions would be ordered differently
+    ("graphs-only-16v4", {"options": {"compiler": "eager"}}, [(16, 4)]),
 ]
 
 
