@@ -56,7 +56,8 @@ def gather_graph(world: int, params, use_order=None, backward=False, replicas=1,
         shard, shape, dtype = shards[name]
         emit = GraphEmitter(graph, mode, {meta_keys.PARAMS: (name,), meta_keys.ROLE: "unshard"})
         groups = (("0",), (world,)) if replicas == 1 else (("0", "1"), (world, replicas))
-        spec = UnshardSpec(shape[0], "0", world, None, True, *groups, True, None, name, 0, "fake", True)
+        spec = UnshardSpec(shape[0], "0", world, None, True, *groups, True, None, name, 0, 0, "fake",
+                           True)
         full = lower_unshard(emit, shard, spec)
         compute = GraphEmitter(graph, mode)
         out = compute(aten.mul.Tensor, full, 2.0)
@@ -915,3 +916,28 @@ def test_a_graph_follows_a_given_collective_order_where_its_data_allows():
     assert swapped is not None and issue_order(swapped) == mine[::-1]
     swapped.graph.lint()
     assert follow_collective_order(gm, mine[:1]) is None  # not the graph it was planned on
+
+
+@pytest.mark.parametrize("fake_pg", [2], indirect=True)
+def test_two_models_of_one_architecture_take_their_decisions_apart(fake_pg, monkeypatch):
+    """shard() numbers the models it makes in program order (alike on every rank), and the
+    key of a decision shared through the store names the model: a second model of the same
+    architecture, given another batch, does not adopt the first one's decision."""
+    import graphshard
+    from graphshard.compiler import rank_agreement
+    from graphshard.passes.graph_utils import unshard_specs
+
+    store = dist.HashStore()
+    monkeypatch.setattr(rank_agreement, "agreement_store", lambda: store)
+    keys, indices = [], []
+    for batch in (1, 4):
+        torch.manual_seed(0)
+        model, inputs, loss_fn = build_model("transformer", dim=32, n_layers=2, vocab_size=32,
+                                             batch=batch, seq_len=8)
+        graphshard.shard(model)
+        joint = capture_step(model, inputs, loss_fn)[("joint", "tagged")]
+        names = sorted(unshard_specs(joint))
+        keys.append(rank_agreement.decision_key(joint, names, "default"))
+        indices.append({spec.model for spec in unshard_specs(joint).values()})
+    assert indices == [{0}, {1}]
+    assert keys[0] != keys[1]

@@ -227,3 +227,33 @@ def test_eager_ranks_running_different_code_get_an_error_naming_the_parameters(e
     assert message is not None and message.startswith("EagerCollectiveMismatchError: "), message
     assert "the all-gather of last.weight" in message and "timeout" in message, message
     assert eager_runs[0]["seconds"] < EAGER_TIMEOUT_S + 30, eager_runs[0]["seconds"]
+
+
+def cache_worker(rank: int, world: int) -> dict:
+    """Rank 1 says it loaded a Dynamo graph's compile from the compile caches (no graph of
+    ours ran, so it publishes no schedule); rank 0 compiles that graph and checks it."""
+    from graphshard.compiler.schedule_check import check_schedule, record_served_from_cache
+    from tests.test_passes import gather_graph
+
+    gm = gather_graph(world, [("layers.0.a", (8, 4), torch.float32)], rank=rank)
+    result = {}
+    if rank == 1:
+        record_served_from_cache("served")
+    else:
+        start = time.perf_counter()
+        check_schedule(gm, "forward", dynamo_key="served", wait_s=60)
+        result["served_s"] = time.perf_counter() - start
+        start = time.perf_counter()
+        result["other"] = _eager_error(
+            lambda: check_schedule(gm, "forward", dynamo_key="another graph", wait_s=2))
+        result["other_s"] = time.perf_counter() - start
+    torch.distributed.barrier()  # rank 0's process holds the store
+    return result
+
+
+def test_the_schedule_check_accepts_a_peer_served_from_the_compile_cache():
+    results = run_local(cache_worker, WORLD)
+    assert results[0]["served_s"] < 10, results[0]  # not the wait for a schedule
+    # a peer that loaded another graph from its cache is no answer
+    assert results[0]["other"].startswith("ScheduleMismatchError: "), results[0]
+    assert "compiled no forward graph" in results[0]["other"], results[0]

@@ -27,10 +27,11 @@ _PREFIX = "graphshard/decision"
 
 def decision_key(joint: fx.GraphModule, params: Collection[str], option) -> str:
     """What identifies one decision on every rank: the graph's parameters as every rank sees
-    them (names, full shapes, dtypes: not the batch), the parameters decided on, the option."""
-    gathered = sorted({(UnshardSpec.from_node(node).name, tuple(node.meta["val"].shape),
-                        str(node.meta["val"].dtype)) for node in joint.graph.nodes
-                       if is_unshard(node) and "val" in node.meta})
+    them (their model, names, full shapes, dtypes: not the batch), the parameters decided on,
+    the option. Two models of one architecture decide each on its own batch."""
+    gathered = sorted({(UnshardSpec.from_node(node).model, UnshardSpec.from_node(node).name,
+                        tuple(node.meta["val"].shape), str(node.meta["val"].dtype))
+                       for node in joint.graph.nodes if is_unshard(node) and "val" in node.meta})
     text = repr((gathered, sorted(params), repr(option)))
     return hashlib.sha256(text.encode()).hexdigest()[:32]
 
