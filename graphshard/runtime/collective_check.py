@@ -68,7 +68,7 @@ class _TagExchange:
         try:
             store.wait(names, datetime.timedelta(seconds=NAME_WAIT_S))
             theirs = "; ".join(sorted({store.get(name).decode() for name in names}))
-        except RuntimeError:  # a peer that stopped before saying: its tag is all there is
+        except dist.DistStoreError:  # a peer that stopped before saying: its tag is all there is
             theirs = "a collective this rank never runs"
         raise EagerCollectiveMismatchError(
             f"graphshard: ranks ran different eager collectives at the same place: rank {rank} "
