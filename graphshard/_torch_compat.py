@@ -234,6 +234,14 @@ def process_group_rank(group_name: str) -> int:
     return _resolve_process_group(group_name).rank()
 
 
+def process_group(group_name: str):
+    """A live process group known only by its name (as above): the eager collectives' tag
+    exchange runs on it. Public replacement: none."""
+    from torch.distributed.distributed_c10d import _resolve_process_group
+
+    return _resolve_process_group(group_name)
+
+
 def process_group_ranks(group_name: str) -> list[int]:
     """The global ranks of a live process group known only by its name (as above)."""
     from torch.distributed.distributed_c10d import _resolve_process_group

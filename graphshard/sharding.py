@@ -20,6 +20,7 @@ from torch.distributed.tensor import DTensor, Replicate, Shard
 
 from graphshard._transformers import is_transformers_model
 from graphshard._torch_compat import is_norm_with_running_stats, tree_map
+from graphshard.compiler import rank_agreement
 from graphshard.early_optimizers import remember_replacement, update_live_optimizers
 from graphshard.passes.markers import UnshardSpec
 from graphshard.policy import MixedPrecisionPolicy, ShardingStrategy, resolve_mixed_precision
@@ -201,10 +202,11 @@ def shard(
     specs: dict[int, UnshardSpec] = {}
     per_module: dict[nn.Module, dict[str, UnshardSpec]] = {}
     module_layouts: dict[nn.Module, dict[str, TensorParallelLayout]] = {}
+    index = _model_index()
     for module, name, fqn, param in slots:
         layout = layouts.get(id(param))
         if id(param) not in sharded:
-            new_param, spec = _shard_param(param, fqn, len(sharded), mesh, strategy,
+            new_param, spec = _shard_param(param, fqn, (len(sharded), index), mesh, strategy,
                                            _module_policy(module, policy), layout)
             sharded[id(param)], specs[id(param)] = new_param, spec
             remember_replacement(param, new_param)  # for an optimizer created before shard()
@@ -259,7 +261,17 @@ def _tensor_parallel_piece(param: nn.Parameter) -> torch.Tensor:
     return param.to_local() if isinstance(param, DTensor) else param
 
 
-def _shard_param(param: nn.Parameter, fqn: str, order: int, mesh: DeviceMesh,
+def _model_index() -> int:
+    """This model's index among the models shard() made in this process, in program order:
+    alike on every rank, which shard the same models in the same order. Counted per rank in
+    the store ranks agree through (no module state); 0 where a process decides alone."""
+    store = rank_agreement.agreement_store()
+    if store is None:
+        return 0
+    return store.add(f"graphshard/models/{dist.get_rank()}", 1) - 1
+
+
+def _shard_param(param: nn.Parameter, fqn: str, order: tuple[int, int], mesh: DeviceMesh,
                  strategy: ShardingStrategy, policy: MixedPrecisionPolicy,
                  layout: TensorParallelLayout | None) -> tuple[nn.Parameter, UnshardSpec]:
     whole, requires_grad = param, param.requires_grad
@@ -296,7 +308,8 @@ def _shard_param(param: nn.Parameter, fqn: str, order: int, mesh: DeviceMesh,
         scatter=sharded,
         reduce_dtype=policy.reduce_dtype if param.is_floating_point() else None,
         name=fqn,
-        order=order,
+        order=order[0],
+        model=order[1],
         backend=dist.get_backend(shard_group),
         grad_enabled=True,
     )

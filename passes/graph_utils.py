@@ -225,13 +225,20 @@ def node_order(graph: fx.Graph) -> dict[fx.Node, int]:
 # --------------------------------------------------------------------------- ordering
 
 
-def list_schedule(nodes: Iterable[fx.Node], priority: Mapping[fx.Node, float]) -> list[fx.Node]:
+def list_schedule(nodes: Iterable[fx.Node], priority: Mapping[fx.Node, float],
+                  after: Mapping[fx.Node, fx.Node] | None = None) -> list[fx.Node]:
     """The one ordering mechanism of passes/: repeatedly take, of the nodes whose inputs are
     all taken, the one of least priority (ties: the earlier in `nodes`). Placeholders come
-    first, as FX expects. A policy is only a choice of priorities."""
+    first, as FX expects. A policy is only a choice of priorities. `after[node]`: one more
+    node that must be taken before `node`, as if it were an input."""
     nodes = list(nodes)
+    after = after or {}
     position = {node: index for index, node in enumerate(nodes)}
-    missing = {node: sum(arg in position for arg in node.all_input_nodes) for node in nodes}
+    missing = {node: sum(arg in position for arg in node.all_input_nodes) + (node in after)
+               for node in nodes}
+    followers: dict[fx.Node, list[fx.Node]] = {}
+    for node, first in after.items():
+        followers.setdefault(first, []).append(node)
 
     def entry(node: fx.Node) -> tuple:
         return (node.op != "placeholder", priority[node], position[node])
@@ -242,7 +249,7 @@ def list_schedule(nodes: Iterable[fx.Node], priority: Mapping[fx.Node, float]) -
     while ready:
         node = nodes[heapq.heappop(ready)[-1]]
         order.append(node)
-        for user in node.users:
+        for user in [*node.users, *followers.get(node, ())]:
             if user in missing:
                 missing[user] -= 1
                 if missing[user] == 0:

@@ -16,7 +16,7 @@ import torch.fx as fx
 UNSHARD_SCHEMA = (
     "(Tensor shard, SymInt full_dim0, str gather_group, int gather_size, "
     "ScalarType? compute_dtype, bool reshard_after_forward, str[] reduce_groups, "
-    "int[] reduce_sizes, bool scatter, ScalarType? reduce_dtype, str name, int order, "
+    "int[] reduce_sizes, bool scatter, ScalarType? reduce_dtype, str name, int order, int model, "
     "str backend, bool grad_enabled) -> Tensor"
 )
 REDUCE_SCHEMA = (
@@ -64,6 +64,9 @@ class UnshardSpec(_MarkerArgs):
     reduce_dtype: torch.dtype | None
     name: str  # fully qualified name of the parameter's first registration
     order: int  # registration index in the model: bucketing packs parameters in this order
+    # the sharded model's index among those shard() made in this process, in program order
+    # (alike on every rank): decisions agreed across ranks are keyed per model
+    model: int
     backend: str  # the process group's backend ("gloo", "nccl", "fake"): the transport depends on it
     grad_enabled: bool  # grad mode at the read: a no_grad read never stands in for one needing grad
 

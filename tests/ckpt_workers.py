@@ -209,6 +209,25 @@ def save_pretrained_refused(rank: int, world: int, directory: str) -> dict[str, 
             "grads": all(p.grad is not None for p in model.parameters())}
 
 
+def save_on_part_of_the_world(rank: int, world: int, root: str) -> dict[str, Any]:
+    """Each rank's own model, sharded over a mesh of that rank alone: a save over the default
+    group would wait for ranks that never call it, synchronous or not."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    mesh = init_device_mesh("cpu", (world, 1), mesh_dim_names=("ranks", "alone"))["alone"]
+    errors = {}
+    for asynchronous in (False, True):
+        model = graphshard.shard(torch.nn.Linear(4, 4), mesh=mesh)
+        try:
+            checkpoint.save(os.path.join(root, f"rank{rank}-{asynchronous}"), model,
+                            asynchronous=asynchronous)
+            errors[asynchronous] = None
+        except checkpoint.CheckpointError as exc:
+            errors[asynchronous] = str(exc)
+    dist.barrier()
+    return errors
+
+
 # --------------------------------------------------------------------------- one group, many checks
 
 

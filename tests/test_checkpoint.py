@@ -802,3 +802,10 @@ def test_load_pretrained_follows_transformers_renames_and_names_the_fusions_it_c
         torch.testing.assert_close(result["neox"], expected, **TOL)
         assert "transformers fuses this architecture's .experts.gate_up_proj" in result["mixtral"]
         assert "with from_pretrained before graphshard.shard" in result["mixtral"]
+
+
+def test_save_of_a_model_sharded_over_part_of_the_world_is_refused(tmp_path):
+    for errors in run_local(workers.save_on_part_of_the_world, 2, str(tmp_path)):
+        for message in errors.values():
+            assert message is not None and "spans ranks" in message, errors
+            assert "every rank of the process group" in message, message

@@ -56,7 +56,8 @@ def gather_graph(world: int, params, use_order=None, backward=False, replicas=1,
         shard, shape, dtype = shards[name]
         emit = GraphEmitter(graph, mode, {meta_keys.PARAMS: (name,), meta_keys.ROLE: "unshard"})
         groups = (("0",), (world,)) if replicas == 1 else (("0", "1"), (world, replicas))
-        spec = UnshardSpec(shape[0], "0", world, None, True, *groups, True, None, name, 0, "fake", True)
+        spec = UnshardSpec(shape[0], "0", world, None, True, *groups, True, None, name, 0, 0, "fake",
+                           True)
         full = lower_unshard(emit, shard, spec)
         compute = GraphEmitter(graph, mode)
         out = compute(aten.mul.Tensor, full, 2.0)
@@ -873,3 +874,70 @@ def test_the_schedule_digest_tells_apart_schedules_that_would_pair_wrongly():
     digests = {schedule_digest(base), schedule_digest(wider), schedule_digest(more),
                schedule_digest(base[::-1])}
     assert len(digests) == 4
+
+
+def _step_digests(batch: int) -> dict[str, str]:
+    from graphshard.passes.schedule_digest import collective_sequence, schedule_digest
+
+    torch.manual_seed(0)
+    model, inputs, loss_fn = build_model("transformer", dim=64, n_layers=3, vocab_size=64,
+                                         batch=batch, seq_len=16)
+    graphs = capture_step(model, inputs, loss_fn)
+    return {kind: schedule_digest(collective_sequence(graphs[(kind, "freed")]))
+            for kind in ("forward", "backward")}
+
+
+@pytest.mark.parametrize("fake_pg", [2], indirect=True)
+def test_ranks_with_different_batches_issue_collectives_in_one_order(fake_pg, monkeypatch):
+    """Two ranks, one given 4 rows and one 16: planned alone, the scheduler's compute and memory
+    weights (local activations) order the backward's prefetches and reductions differently;
+    through one store (the default process group's, here an in-process one) the second rank
+    adopts the first one's order, and its step still runs."""
+    from graphshard.compiler import rank_agreement
+
+    alone = [_step_digests(4), _step_digests(16)]
+    assert alone[0]["backward"] != alone[1]["backward"]  # what would pair wrongly
+    store = dist.HashStore()
+    monkeypatch.setattr(rank_agreement, "agreement_store", lambda: store)
+    agreed = [_step_digests(4), _step_digests(16)]
+    assert agreed[0] == agreed[1] == alone[0]
+    # the other way round: the 16-row rank plans first, the 4-row rank follows it
+    monkeypatch.setattr(rank_agreement, "agreement_store", lambda store=dist.HashStore(): store)
+    assert [_step_digests(16), _step_digests(4)] == [alone[1], alone[1]]
+
+
+def test_a_graph_follows_a_given_collective_order_where_its_data_allows():
+    from graphshard.passes.collective_order import follow_collective_order, issue_order
+
+    params = [("layers.0.a", (8, 4), torch.float32), ("layers.1.a", (8, 4), torch.float32)]
+    gm = bucket_collectives(gather_graph(4, params), ctx(bucket_mb=64))
+    mine = issue_order(gm)
+    swapped = follow_collective_order(gm, mine[::-1])
+    assert swapped is not None and issue_order(swapped) == mine[::-1]
+    swapped.graph.lint()
+    assert follow_collective_order(gm, mine[:1]) is None  # not the graph it was planned on
+
+
+@pytest.mark.parametrize("fake_pg", [2], indirect=True)
+def test_two_models_of_one_architecture_take_their_decisions_apart(fake_pg, monkeypatch):
+    """shard() numbers the models it makes in program order (alike on every rank), and the
+    key of a decision shared through the store names the model: a second model of the same
+    architecture, given another batch, does not adopt the first one's decision."""
+    import graphshard
+    from graphshard.compiler import rank_agreement
+    from graphshard.passes.graph_utils import unshard_specs
+
+    store = dist.HashStore()
+    monkeypatch.setattr(rank_agreement, "agreement_store", lambda: store)
+    keys, indices = [], []
+    for batch in (1, 4):
+        torch.manual_seed(0)
+        model, inputs, loss_fn = build_model("transformer", dim=32, n_layers=2, vocab_size=32,
+                                             batch=batch, seq_len=8)
+        graphshard.shard(model)
+        joint = capture_step(model, inputs, loss_fn)[("joint", "tagged")]
+        names = sorted(unshard_specs(joint))
+        keys.append(rank_agreement.decision_key(joint, names, "default"))
+        indices.append({spec.model for spec in unshard_specs(joint).values()})
+    assert indices == [{0}, {1}]
+    assert keys[0] != keys[1]

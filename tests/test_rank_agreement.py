@@ -28,6 +28,8 @@ CONFIGS = [
     ("eager-4v1", None, [(4, 1)]),
     ("inductor-3v2", {}, [(3, 2)]),
     ("inductor-native-4v1", {"options": NATIVE}, [(4, 1)]),  # the NCCL path's collectives
+    # planned alone, the backward's prefetches and reductions would be ordered differently
+    ("graphs-only-16v4", {"options": {"compiler": "eager"}}, [(16, 4)]),
 ]
 
 
@@ -161,3 +163,97 @@ def test_a_rank_dependent_branch_fails_at_compile_time_on_every_rank(runs, trans
         assert "rank-dependent branch" in message
         # raised before Inductor compiles the graph; a hang would be the 300 s wait
         assert result["seconds"] < 60, result["seconds"]
+
+
+class SwappedOnRankOne(torch.nn.Module):
+    """Two layers of one shape, run in the other order on rank 1: their gathers pair with
+    each other's, equal in size (without a check: wrong numbers, no error)."""
+
+    def __init__(self):
+        super().__init__()
+        self.a = torch.nn.Linear(16, 16, bias=False)
+        self.b = torch.nn.Linear(16, 16, bias=False)
+
+    def forward(self, x):
+        first, second = (self.a, self.b) if torch.distributed.get_rank() == 0 else (self.b, self.a)
+        return second(first(x))
+
+
+def _eager_error(fn) -> str | None:
+    try:
+        fn()
+    except Exception as exc:  # the test checks its type and message
+        return f"{type(exc).__name__}: {exc}"
+    return None
+
+
+def eager_worker(rank: int, world: int) -> dict:
+    import graphshard
+
+    results = {}
+    model = SwappedOnRankOne()
+    graphshard.shard(model)
+    results["swapped"] = _eager_error(lambda: model(torch.randn(4, 16)).sum().backward())
+    # rank 0 alone reads one more parameter; rank 1 stays alive, in no collective
+    extra = RankBranch()
+    graphshard.shard(extra)
+    start = time.perf_counter()
+    if rank == 0:
+        results["alone"] = _eager_error(lambda: extra.last(torch.randn(4, 16)))
+    else:
+        time.sleep(EAGER_TIMEOUT_S + 10)
+        results["alone"] = None
+    results["seconds"] = time.perf_counter() - start
+    return results
+
+
+EAGER_TIMEOUT_S = 10  # the process group's timeout
+
+
+@pytest.fixture(scope="module")
+def eager_runs() -> list[dict]:
+    return run_local(eager_worker, WORLD, timeout_s=EAGER_TIMEOUT_S)
+
+
+def test_eager_ranks_running_different_code_get_an_error_naming_the_parameters(eager_runs):
+    for rank in range(WORLD):
+        message = eager_runs[rank]["swapped"]
+        assert message is not None, f"rank {rank} paired the two layers' gathers silently"
+        assert message.startswith("EagerCollectiveMismatchError: "), message
+        mine, theirs = ("a", "b") if rank == 0 else ("b", "a")
+        assert f"rank {rank} ran the all-gather of {mine}.weight" in message, message
+        assert f"ran the all-gather of {theirs}.weight" in message, message
+    message = eager_runs[0]["alone"]
+    assert message is not None and message.startswith("EagerCollectiveMismatchError: "), message
+    assert "the all-gather of last.weight" in message and "timeout" in message, message
+    assert eager_runs[0]["seconds"] < EAGER_TIMEOUT_S + 30, eager_runs[0]["seconds"]
+
+
+def cache_worker(rank: int, world: int) -> dict:
+    """Rank 1 says it loaded a Dynamo graph's compile from the compile caches (no graph of
+    ours ran, so it publishes no schedule); rank 0 compiles that graph and checks it."""
+    from graphshard.compiler.schedule_check import check_schedule, record_served_from_cache
+    from tests.test_passes import gather_graph
+
+    gm = gather_graph(world, [("layers.0.a", (8, 4), torch.float32)], rank=rank)
+    result = {}
+    if rank == 1:
+        record_served_from_cache("served")
+    else:
+        start = time.perf_counter()
+        check_schedule(gm, "forward", dynamo_key="served", wait_s=60)
+        result["served_s"] = time.perf_counter() - start
+        start = time.perf_counter()
+        result["other"] = _eager_error(
+            lambda: check_schedule(gm, "forward", dynamo_key="another graph", wait_s=2))
+        result["other_s"] = time.perf_counter() - start
+    torch.distributed.barrier()  # rank 0's process holds the store
+    return result
+
+
+def test_the_schedule_check_accepts_a_peer_served_from_the_compile_cache():
+    results = run_local(cache_worker, WORLD)
+    assert results[0]["served_s"] < 10, results[0]  # not the wait for a schedule
+    # a peer that loaded another graph from its cache is no answer
+    assert results[0]["other"].startswith("ScheduleMismatchError: "), results[0]
+    assert "compiled no forward graph" in results[0]["other"], results[0]

@@ -12,7 +12,9 @@ from typing import Any
 import torch.distributed as dist
 from torch.distributed.checkpoint.api import CheckpointException
 
+from graphshard import _torch_compat as compat
 from graphshard.checkpoint.errors import CheckpointError
+from graphshard.state import is_sharded, shard_state
 
 
 def distributed() -> bool:
@@ -21,6 +23,23 @@ def distributed() -> bool:
 
 def rank_world() -> tuple[int, int]:
     return (dist.get_rank(), dist.get_world_size()) if distributed() else (0, 1)
+
+
+def check_sharded_over_the_world(model, what: str) -> None:
+    """Saves and loads agree, write and commit over the default process group (rank 0
+    commits): a model sharded over part of the world would leave them waiting for ranks that
+    never call them."""
+    if not (distributed() and is_sharded(model)):
+        return
+    # the mesh the data-parallel mesh was sliced from: with TP on a sibling dim, all of it
+    ranks = sorted(compat.root_mesh(shard_state(model).mesh).mesh.flatten().tolist())
+    if ranks != list(range(dist.get_world_size())):
+        raise CheckpointError(
+            f"checkpoint.{what} needs a model sharded over every rank of the process group; "
+            f"this model's mesh spans ranks {ranks} of {dist.get_world_size()}, and the ranks "
+            f"outside it would never join. Shard the model over every rank, or {what} its "
+            "state_dict() (DTensors) with torch.distributed.checkpoint, passing "
+            "process_group= a group over the mesh's ranks.")
 
 
 def describe(exc: BaseException, rank: int) -> str:

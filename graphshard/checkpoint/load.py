@@ -14,7 +14,8 @@ from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 from torch.distributed.checkpoint.state_dict import set_model_state_dict, set_state_dict
 
-from graphshard.checkpoint.agreement import agree, describe, distributed, rank_world
+from graphshard.checkpoint.agreement import (agree, check_sharded_over_the_world, describe,
+                                             distributed, rank_world)
 from graphshard.checkpoint.errors import CheckpointError, raise_if_unfit
 from graphshard.checkpoint.layout import OPTIM_KEYS, Layout, open_checkpoint
 from graphshard.checkpoint.rng import from_bytes, restore_or_derive, rng_request
@@ -72,6 +73,7 @@ def load(
     """
     path = Path(path)
     model = unwrap(model)
+    check_sharded_over_the_world(model, "load")
     rank, _ = rank_world()
     wait_for_async_save(model)
 

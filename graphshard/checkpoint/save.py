@@ -19,7 +19,8 @@ import torch.nn as nn
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.staging import AsyncStager, DefaultStager, StagingOptions
 
-from graphshard.checkpoint.agreement import agree, distributed, rank_world
+from graphshard.checkpoint.agreement import (agree, check_sharded_over_the_world, distributed,
+                                             rank_world)
 from graphshard.checkpoint.commit import (
     FORMAT,
     FORMAT_VERSION,
@@ -171,6 +172,7 @@ def save(
     """
     path = Path(path)
     model = unwrap(model)
+    check_sharded_over_the_world(model, "save")
     rank, world_size = rank_world()
     if step is not None and (isinstance(step, bool) or not isinstance(step, int)):
         raise TypeError(f"step must be an int or None, got {type(step).__name__}")

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import torch
 
-from graphshard.passes.graph_utils import EagerEmitter
+from graphshard.runtime.collective_check import CheckedEagerEmitter
 from graphshard.passes.lowering import lower_reduce_grad, lower_unshard
 from graphshard.passes.markers import REDUCE_SCHEMA, UNSHARD_SCHEMA, ReduceSpec, UnshardSpec
 
@@ -19,7 +19,8 @@ from graphshard.passes.markers import REDUCE_SCHEMA, UNSHARD_SCHEMA, ReduceSpec,
 @torch.library.custom_op("graphshard::unshard", mutates_args=(), schema=UNSHARD_SCHEMA)
 def unshard(shard: torch.Tensor, *args) -> torch.Tensor:
     """Full parameter from this rank's dim-0 shard (all-gather over the gather group)."""
-    return lower_unshard(EagerEmitter(), shard, UnshardSpec(*args))
+    spec = UnshardSpec(*args)
+    return lower_unshard(CheckedEagerEmitter(f"of {spec.name}"), shard, spec)
 
 
 @unshard.register_fake
@@ -32,7 +33,8 @@ def _unshard_fake(shard, *args):
 @torch.library.custom_op("graphshard::reduce_grad", mutates_args=(), schema=REDUCE_SCHEMA)
 def reduce_grad(grad: torch.Tensor, *args) -> torch.Tensor:
     """This rank's shard of the gradient averaged over data-parallel ranks."""
-    return lower_reduce_grad(EagerEmitter(), grad, ReduceSpec(*args))
+    spec = ReduceSpec(*args)
+    return lower_reduce_grad(CheckedEagerEmitter(f"of {spec.name}'s gradient"), grad, spec)
 
 
 @reduce_grad.register_fake

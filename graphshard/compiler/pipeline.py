@@ -12,6 +12,8 @@ that must have run on the same graph before it: running one out of order fails l
 
 from __future__ import annotations
 
+import hashlib
+import json
 import math
 from dataclasses import dataclass
 from typing import Callable
@@ -20,9 +22,11 @@ import torch.fx as fx
 
 from graphshard.compiler.cost_model import ClusterSpec, collective_node_cost, node_cost
 from graphshard.compiler.options import GraphshardOptions
+from graphshard.compiler.rank_agreement import first_published
 from graphshard.passes import meta_keys
 from graphshard.passes.all_gather_via_all_to_all import all_gather_via_all_to_all
 from graphshard.passes.bucket_collectives import bucket_collectives
+from graphshard.passes.collective_order import follow_collective_order, issue_order
 from graphshard.passes.context import PassContext
 from graphshard.passes.free_collective_buffers import free_collective_buffers
 from graphshard.passes.insert_collectives import insert_collectives
@@ -54,7 +58,21 @@ def _schedule(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
         compute_seconds=lambda node: node_cost(node, cluster).seconds,
         collective_seconds=lambda node: collective_node_cost(node, cluster).seconds,
     )
-    return reorder_collectives(gm, policy)
+    return _agreed_order(reorder_collectives(gm, policy), ctx)
+
+
+def _agreed_order(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
+    """The scheduler weighs compute and memory on the local batch: the first rank to schedule
+    a graph with these collectives publishes their issue order, and every rank issues them in
+    that order (a rank recompiling alone, later, too)."""
+    mine = issue_order(gm)
+    key = hashlib.sha256(repr((ctx.graph_kind, sorted(mine), ctx.options, ctx.cluster))
+                         .encode()).hexdigest()[:32]
+    agreed = json.loads(first_published(f"order/{key}", lambda: json.dumps(mine)))
+    if agreed == mine:
+        return gm
+    # None: not the graph the order was planned on; the schedule check names the difference
+    return follow_collective_order(gm, agreed) or gm
 
 
 def _transport(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:

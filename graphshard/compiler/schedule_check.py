@@ -128,7 +128,9 @@ def check_schedule(gm: fx.GraphModule, graph_kind: str, *, dynamo_key: str | Non
             # or ahead of this one in the same sequence of compiles, but a different graph
             if theirs != digest and not store.check([has(rank, theirs)]):
                 other_records = _decode(store.get(f"{_PREFIX}/sequence/{theirs}"))
-                _wait_until_every_rank_saw_it(store, f"{_PREFIX}/raised/{graph_kind}",
+                # keyed by the two schedules: an earlier mismatch's keys must not count
+                pair = "/".join(sorted((digest, theirs)))
+                _wait_until_every_rank_saw_it(store, f"{_PREFIX}/raised/{graph_kind}/{pair}",
                                               rank, peers)
                 raise ScheduleMismatchError(
                     _mismatch_message(graph_kind, rank, records, other, other_records),
