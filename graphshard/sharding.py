@@ -21,6 +21,7 @@ from torch.distributed.tensor import DTensor, Replicate, Shard
 from graphshard._transformers import is_transformers_model
 from graphshard._torch_compat import is_norm_with_running_stats, tree_map
 from graphshard.early_optimizers import remember_replacement, update_live_optimizers
+from graphshard.float8 import unwrap_float8_weights
 from graphshard.passes.markers import UnshardSpec
 from graphshard.policy import MixedPrecisionPolicy, ShardingStrategy, resolve_mixed_precision
 from graphshard.runtime.gathered_weight import GatheredWeight
@@ -158,6 +159,7 @@ def shard(
     strategy = ShardingStrategy.parse(strategy)
     policy = resolve_mixed_precision(mixed_precision, param_dtype, reduce_dtype)
     _check_not_wrapped(model)
+    float8 = unwrap_float8_weights(model)  # id(parameter) -> float8 gather dtype
     slots = list(_named_param_slots(model))
     _check_plain_parameters(model, slots)
     _check_dense_gradients(model)
@@ -194,7 +196,7 @@ def shard(
     for module, name, fqn, param in slots:
         if id(param) not in sharded:
             new_param, spec = _shard_param(param, fqn, len(sharded), mesh, strategy,
-                                           _module_policy(module, policy))
+                                           _module_policy(module, policy), float8.get(id(param)))
             sharded[id(param)], specs[id(param)] = new_param, spec
             remember_replacement(param, new_param)  # for an optimizer created before shard()
         module._parameters[name] = sharded[id(param)]
@@ -240,8 +242,8 @@ def _module_policy(module: nn.Module, policy: MixedPrecisionPolicy) -> MixedPrec
 
 
 def _shard_param(param: nn.Parameter, fqn: str, order: int, mesh: DeviceMesh,
-                 strategy: ShardingStrategy, policy: MixedPrecisionPolicy
-                 ) -> tuple[nn.Parameter, UnshardSpec]:
+                 strategy: ShardingStrategy, policy: MixedPrecisionPolicy,
+                 float8_dtype: torch.dtype | None = None) -> tuple[nn.Parameter, UnshardSpec]:
     shard_dim = mesh.ndim - 1  # the shard dimension is the last mesh dim
     shard_group = mesh.get_group(shard_dim)
     shard_size = mesh.size(shard_dim)
@@ -274,5 +276,6 @@ def _shard_param(param: nn.Parameter, fqn: str, order: int, mesh: DeviceMesh,
         order=order,
         backend=dist.get_backend(shard_group),
         grad_enabled=True,
+        float8_dtype=float8_dtype,
     )
     return new_param, spec
