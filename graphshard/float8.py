@@ -25,6 +25,7 @@ import torch.nn as nn
 
 from graphshard.compiler.ops import call_float8_scale, call_reduce_grad, call_unshard
 from graphshard.passes.markers import ReduceSpec, UnshardSpec
+from graphshard.state import GradSync, SyncMode
 
 _FSDP_UTILS = "torchao.float8.fsdp_utils"
 
@@ -85,15 +86,18 @@ def _check_supported(fqn: str, module: nn.Module, name: str, float8_linear: type
 
 class _ShardGradient(torch.autograd.Function):
     """A full-shape stand-in for the weight, to autograd only (an expanded zero, no storage):
-    the gradient it receives is the full weight's, reduced to the shard here."""
+    the gradient it receives is the full weight's, reduced and handed to `target` (the local
+    shard; with gradient accumulation, the accumulation leaf of graphshard/grad_sync.py)."""
 
     @staticmethod
-    def forward(ctx, local, shape, dtype, reduce: ReduceSpec):
-        ctx.reduce = reduce
-        return local.new_zeros((), dtype=dtype).expand(shape)
+    def forward(ctx, target, shape, dtype, reduce: ReduceSpec | None):
+        ctx.reduce, ctx.target_dtype = reduce, target.dtype
+        return target.new_zeros((), dtype=dtype).expand(shape)
 
     @staticmethod
     def backward(ctx, grad):
+        if ctx.reduce is None:  # no_sync: the full gradient accumulates unreduced
+            return grad.to(ctx.target_dtype), None, None, None
         return call_reduce_grad(grad, ctx.reduce), None, None, None
 
 
@@ -113,7 +117,24 @@ class _Float8Weight(torch.autograd.Function):
         return grad, None, None, None
 
 
-def read_float8_weight(module: nn.Module, local: torch.Tensor, spec: UnshardSpec) -> torch.Tensor:
+def _gradient_target(local: torch.Tensor, spec: UnshardSpec, sync: GradSync
+                     ) -> tuple[torch.Tensor, ReduceSpec | None]:
+    """Where the weight's gradient goes in the current sync mode, and how it is reduced there
+    (the same routes as graphshard/grad_sync.py's for the other parameters)."""
+    local_dim0 = local.shape[0]
+    if local.requires_grad and torch.is_grad_enabled():
+        if sync.mode is SyncMode.NO_SYNC:
+            return sync.full_leaves[spec.name], None
+        if sync.mode is SyncMode.NO_ALL_REDUCE and len(spec.reduce_groups) > 1:
+            leaf = sync.partial_leaves[spec.name]
+            within = ReduceSpec(local_dim0, spec.reduce_groups[:1], spec.reduce_sizes[:1],
+                                spec.scatter, spec.reduce_dtype, leaf.dtype, spec.name)
+            return leaf, within
+    return local, spec.reduce_spec(local_dim0, local.dtype)
+
+
+def read_float8_weight(module: nn.Module, local: torch.Tensor, spec: UnshardSpec,
+                       sync: GradSync) -> torch.Tensor:
     """The full weight of a Float8Linear, gathered in float8 (module docstring)."""
     from torchao.float8.float8_utils import to_fp8_saturated
 
@@ -121,6 +142,6 @@ def read_float8_weight(module: nn.Module, local: torch.Tensor, spec: UnshardSpec
     scale = call_float8_scale(master, spec)
     data = to_fp8_saturated(master.to(torch.float32) * scale, spec.float8_dtype)
     full = call_unshard(data, spec)
-    stand_in = _ShardGradient.apply(local, full.shape, spec.compute_dtype or local.dtype,
-                                    spec.reduce_spec(local.shape[0], local.dtype))
+    target, reduce = _gradient_target(local, spec, sync)
+    stand_in = _ShardGradient.apply(target, full.shape, spec.compute_dtype or local.dtype, reduce)
     return _Float8Weight.apply(stand_in, full, scale, module.linear_mm_config)

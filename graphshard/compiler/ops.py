@@ -27,7 +27,7 @@ def unshard(shard: torch.Tensor, *args) -> torch.Tensor:
 def _unshard_fake(shard, *args):
     spec = UnshardSpec(*args)
     shape = (spec.full_dim0, *shard.shape[1:]) if shard.dim() else ()
-    return shard.new_empty(shape, dtype=spec.compute_dtype or shard.dtype)
+    return shard.new_empty(shape, dtype=spec.float8_dtype or spec.compute_dtype or shard.dtype)
 
 
 @torch.library.custom_op("graphshard::float8_scale", mutates_args=(), schema=UNSHARD_SCHEMA)
