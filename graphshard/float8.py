@@ -58,6 +58,8 @@ def unwrap_float8_weights(model: nn.Module) -> dict[int, torch.dtype]:
         for fqn, module, name in slots:
             _check_supported(fqn, module, name, Float8Linear)
         old = params[key]
+        # torchao's weight has no public accessor of its tensor and float8 dtype; these are
+        # the fields its own __tensor_flatten__ and FSDP2 hooks read.
         new = nn.Parameter(old._tensor.detach(), requires_grad=old.requires_grad)
         for _, module, name in slots:
             module._parameters[name] = new

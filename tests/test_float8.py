@@ -90,6 +90,7 @@ class Run:
     ac: bool = False
     param_dtype: torch.dtype | None = None
     mesh_shape: tuple[int, int] | None = None  # hybrid: (replicate, shard)
+    strategy: str = "full_shard"  # graphshard's, on a 1-D mesh
     checkpoint_dir: str | None = None  # graphshard: save, load and export after training
     options: tuple[tuple[str, str], ...] = ()  # graphshard backend options (default: Inductor)
     compiled: bool = True  # graphshard: torch.compile (else its eager path)
@@ -120,7 +121,7 @@ def _observe(result: Result, kind: str, stage: str, gm) -> None:
                 result.float8_gathers[name] = str(node.meta["val"].dtype)
         elif node.target is ALL_REDUCE and node.args[1] == "max":
             result.max_reduced.extend(collective_params(node))
-        elif node.target is torch.ops.aten._scaled_mm.default:
+        elif str(node.target) == "aten._scaled_mm.default":  # the float8 matmul
             result.scaled_mms += 1
         elif node.target is torch.ops.prims.convert_element_type.default:
             source = node.args[0].meta["val"].dtype
@@ -153,7 +154,7 @@ def _prepare(run: Run, world: int):
             fully_shard(layer, mesh=mesh, mp_policy=policy)
         fully_shard(model, mesh=mesh, mp_policy=policy)
         return model
-    strategy = "hybrid_shard" if run.mesh_shape else "full_shard"
+    strategy = "hybrid_shard" if run.mesh_shape else run.strategy
     return graphshard.shard(model, mesh, strategy=strategy, param_dtype=run.param_dtype,
                             reduce_dtype=torch.float32 if run.param_dtype else None)
 
@@ -290,6 +291,18 @@ def test_float8_hybrid_shard_world_4():
     fsdp2, ours = run_local(worker, 4, runs)[0]
     _assert_matches(ours, fsdp2)
     _assert_float8_gathers(ours)
+
+
+def test_float8_shard_grad_op_and_no_shard_world_2():
+    """Without Inductor (the strategies change the graphs, not Inductor's float8 code)."""
+    eager = (("compiler", "eager"),)
+    runs = [Run("replicated"), Run("graphshard", strategy="shard_grad_op", options=eager),
+            Run("graphshard", strategy="no_shard", options=eager)]
+    replicated, shard_grad_op, no_shard = run_local(worker, 2, runs)[0]
+    _assert_matches(shard_grad_op, replicated)
+    _assert_matches(no_shard, replicated)
+    _assert_float8_gathers(shard_grad_op)
+    assert no_shard.float8_gathers == {} and no_shard.scaled_mms >= len(CONVERTED)
 
 
 def test_float8_gradient_accumulation_no_sync_world_2():
