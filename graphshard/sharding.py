@@ -22,6 +22,7 @@ from graphshard._transformers import is_transformers_model
 from graphshard._torch_compat import is_norm_with_running_stats, tree_map
 from graphshard.compiler import rank_agreement
 from graphshard.early_optimizers import remember_replacement, update_live_optimizers
+from graphshard.float8 import unwrap_float8_weights
 from graphshard.passes.markers import UnshardSpec
 from graphshard.policy import MixedPrecisionPolicy, ShardingStrategy, resolve_mixed_precision
 from graphshard.runtime.gathered_weight import GatheredWeight
@@ -167,6 +168,7 @@ def shard(
     strategy = ShardingStrategy.parse(strategy)
     policy = resolve_mixed_precision(mixed_precision, param_dtype, reduce_dtype)
     _check_not_wrapped(model)
+    float8 = unwrap_float8_weights(model)  # id(parameter) -> float8 gather dtype
     slots = list(_named_param_slots(model))
     _check_not_sharded_twice(model, slots)
     _check_dense_gradients(model)
@@ -198,6 +200,12 @@ def shard(
         )
 
     layouts = _tensor_parallel_layouts(slots, mesh)
+    if layouts and float8:
+        raise ValueError(
+            "graphshard.shard: this model has torchao float8 all-gather weights and tensor-"
+            "parallel parameters; graphshard gathers float8 weights on a data-parallel mesh "
+            "only. Convert with Float8LinearConfig(enable_fsdp_float8_all_gather=False) to "
+            "train float8 with TP, or leave TP out")
     sharded: dict[int, nn.Parameter] = {}  # id(original) -> new: tied weights stay tied
     specs: dict[int, UnshardSpec] = {}
     per_module: dict[nn.Module, dict[str, UnshardSpec]] = {}
@@ -207,7 +215,8 @@ def shard(
         layout = layouts.get(id(param))
         if id(param) not in sharded:
             new_param, spec = _shard_param(param, fqn, (len(sharded), index), mesh, strategy,
-                                           _module_policy(module, policy), layout)
+                                           _module_policy(module, policy), layout,
+                                           float8.get(id(param)))
             sharded[id(param)], specs[id(param)] = new_param, spec
             remember_replacement(param, new_param)  # for an optimizer created before shard()
         module._parameters[name] = sharded[id(param)]
@@ -273,7 +282,8 @@ def _model_index() -> int:
 
 def _shard_param(param: nn.Parameter, fqn: str, order: tuple[int, int], mesh: DeviceMesh,
                  strategy: ShardingStrategy, policy: MixedPrecisionPolicy,
-                 layout: TensorParallelLayout | None) -> tuple[nn.Parameter, UnshardSpec]:
+                 layout: TensorParallelLayout | None, float8_dtype: torch.dtype | None = None
+                 ) -> tuple[nn.Parameter, UnshardSpec]:
     whole, requires_grad = param, param.requires_grad
     param = _tensor_parallel_piece(param)
     shard_dim = mesh.ndim - 1  # the shard dimension is the last data-parallel mesh dim
@@ -312,5 +322,6 @@ def _shard_param(param: nn.Parameter, fqn: str, order: tuple[int, int], mesh: De
         model=order[1],
         backend=dist.get_backend(shard_group),
         grad_enabled=True,
+        float8_dtype=float8_dtype,
     )
     return new_param, spec

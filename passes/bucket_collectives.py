@@ -19,7 +19,9 @@ produced together and live until the optimizer has used them, so sharing the buc
 keeps nothing alive longer and saves a copy of every gradient (FSDP2 views its reduce-scatter
 output the same way).
 
-A size cap (bucket_mb, unsharded bytes) splits large units; different dtypes never share one.
+A size cap (bucket_mb, unsharded bytes) splits large units; different dtypes never share one
+(nor float8 gathers, sent as uint8, with other bytes), nor all-reduces of different reduce ops
+(a float8 scale's MAX, a gradient's sum).
 """
 
 from __future__ import annotations
@@ -96,7 +98,8 @@ def plan_buckets(gm: fx.GraphModule, cap_bytes: float,
             unit_of_kind[kind] = unit
             label_of_kind[kind] = unit if unit is not None else f"<other {leftovers}>"
             open_runs[kind] = {}
-        key = (collective_group(node)[0], node.args[0].meta["val"].dtype)
+        key = (collective_group(node)[0], node.args[0].meta["val"].dtype,
+               node.meta.get(meta_keys.PAYLOAD_DTYPE), _reduce_op(node))
         if key not in open_runs[kind]:
             open_runs[kind][key] = Bucket(kind, label_of_kind[kind])
             runs.append(open_runs[kind][key])
@@ -120,12 +123,19 @@ def plan_buckets(gm: fx.GraphModule, cap_bytes: float,
     return buckets
 
 
+def _reduce_op(node: fx.Node) -> str | None:
+    # A float8 scale's all-reduce takes the MAX, a gradient's the sum: never one bucket.
+    return node.args[1] if node.target in (ALL_REDUCE, REDUCE_SCATTER) else None
+
+
 def _bucket_meta(bucket: Bucket) -> dict:
     first = bucket.members[0]
     meta = {key: first.meta[key] for key in ("nn_module_stack", "stack_trace") if key in first.meta}
     meta[meta_keys.PARAMS] = tuple(p for m in bucket.members for p in collective_params(m))
     meta[meta_keys.ROLE] = first.meta.get(meta_keys.ROLE)
     meta[meta_keys.BUCKET] = bucket.unit
+    if meta_keys.PAYLOAD_DTYPE in first.meta:  # one per bucket: it is part of the bucket's key
+        meta[meta_keys.PAYLOAD_DTYPE] = first.meta[meta_keys.PAYLOAD_DTYPE]
     return meta
 
 
@@ -210,7 +220,7 @@ def _rewrite_reduce(gm: fx.GraphModule, bucket: Bucket, fake_mode) -> None:
             # reads that bucket whole (no concatenation copying it back together).
             flat = _split_source(inputs) or emit(
                 aten.cat.default, [emit(aten.reshape.default, x, [-1]) for x in inputs])
-            reduced = emit(WAIT, emit(ALL_REDUCE, flat, "sum", group_name))
+            reduced = emit(WAIT, emit(ALL_REDUCE, flat, _reduce_op(first), group_name))
             reduced.args[0].meta[meta_keys.GROUP_SIZE] = group_size
         outputs = _views_out(emit, reduced, members, numels)
     _replace_members(gm, members, outputs)

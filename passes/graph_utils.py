@@ -50,6 +50,10 @@ def is_reduce_grad(node: fx.Node) -> bool:
     return _is_op(node, "reduce_grad")
 
 
+def is_float8_scale(node: fx.Node) -> bool:
+    return _is_op(node, "float8_scale")
+
+
 def all_nodes(gm: fx.GraphModule) -> Iterator[fx.Node]:
     """Nodes of the graph and of its subgraphs (activation-checkpoint and other HOP bodies)."""
     for module in gm.modules():
@@ -298,7 +302,8 @@ def hoist_before(anchor: fx.Node, node: fx.Node) -> None:
 
 def depends_only_on_inputs(node: fx.Node) -> bool:
     """True if `node` is computed from graph inputs by plain ops alone (no collective on the
-    way), so it can be moved to any earlier point."""
+    way but a float8 scale's all-reduce, itself computed from inputs: a float8 gather's input
+    is its shard cast with that scale), so it can be moved to any earlier point."""
     stack, seen = [node], set()
     while stack:
         current = stack.pop()
@@ -307,7 +312,10 @@ def depends_only_on_inputs(node: fx.Node) -> bool:
         seen.add(current)
         if current.op in ("placeholder", "get_attr"):
             continue
-        if current.op != "call_function" or is_collective(current) or is_wait(current):
+        if current.op != "call_function":
+            return False
+        if ((is_collective(current) or is_wait(current))
+                and current.meta.get(meta_keys.ROLE) != "float8_scale"):
             return False
         stack.extend(current.all_input_nodes)
     return True

@@ -1,7 +1,9 @@
 """The marker ops' arguments, typed: one description per op, used wherever a marker is built or read.
 
 `graphshard::unshard(shard, *UnshardSpec.as_args())` marks a parameter read;
-`graphshard::reduce_grad(grad, *ReduceSpec.as_args())` marks where a gradient is reduced.
+`graphshard::reduce_grad(grad, *ReduceSpec.as_args())` marks where a gradient is reduced;
+`graphshard::float8_scale(shard, *UnshardSpec.as_args())` marks the float8 scale of a weight
+gathered in float8 (from the amax of the whole weight).
 The schemas in graphshard/compiler/ops.py list the same fields in the same order: a field added here is
 added there, and nothing else reads a marker's arguments by position.
 """
@@ -17,7 +19,7 @@ UNSHARD_SCHEMA = (
     "(Tensor shard, SymInt full_dim0, str gather_group, int gather_size, "
     "ScalarType? compute_dtype, bool reshard_after_forward, str[] reduce_groups, "
     "int[] reduce_sizes, bool scatter, ScalarType? reduce_dtype, str name, int order, int model, "
-    "str backend, bool grad_enabled) -> Tensor"
+    "str backend, bool grad_enabled, ScalarType? float8_dtype) -> Tensor"
 )
 REDUCE_SCHEMA = (
     "(Tensor grad, SymInt local_dim0, str[] group_names, int[] group_sizes, bool scatter, "
@@ -69,6 +71,7 @@ class UnshardSpec(_MarkerArgs):
     model: int
     backend: str  # the process group's backend ("gloo", "nccl", "fake"): the transport depends on it
     grad_enabled: bool  # grad mode at the read: a no_grad read never stands in for one needing grad
+    float8_dtype: torch.dtype | None = None  # gathered in this float8 dtype (graphshard/float8.py)
 
     def __post_init__(self):
         super().__post_init__()

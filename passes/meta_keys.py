@@ -14,6 +14,7 @@ MARKER = "graphshard_marker"  # name of the marker node the lowering replaced
 BUCKET = "graphshard_bucket"  # the unit a bucketed collective belongs to ("layers.3", "<other 1>")
 LOWERED_FROM = "graphshard_lowered_from"  # the collective an all-to-all carries ("all_gather", ...)
 GROUP_SIZE = "graphshard_group_size"  # ranks of an all-reduce's group (its args carry none)
+PAYLOAD_DTYPE = "graphshard_payload_dtype"  # what a collective's bytes are (float8 sent as uint8)
 OWN_CHUNK_LOCAL = "graphshard_own_chunk_local"  # an exchange that leaves this rank's chunk out
 
 # gm.meta

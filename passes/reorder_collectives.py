@@ -89,6 +89,13 @@ def _is_gather(node: fx.Node) -> bool:
     return is_graphshard_collective(node) and collective_kind(node) == "all_gather"
 
 
+def _is_reduction(node: fx.Node) -> bool:
+    # A float8 scale's all-reduce is an input of its weight's gather, not a gradient's
+    # reduction: delaying its wait would hold the gather back.
+    return (is_graphshard_collective(node) and not _is_gather(node)
+            and node.meta.get(meta_keys.ROLE) != "float8_scale")
+
+
 def _output_chain(wait: fx.Node) -> list[fx.Node]:
     """Nodes our passes emitted after a collective's wait (narrow, copy-out, casts): they move
     with the wait. Identified by sharing the collective's graphshard provenance."""
@@ -333,7 +340,7 @@ def _reduction_wait_slots(baseline: Sequence[fx.Node], policy: ReorderPolicy, bu
     its compute covers (or that needs its result: a hybrid replica all-reduce), or the
     output, if its input fits below the peak over the extra stretch."""
     slot = {node: index for index, node in enumerate(baseline)}
-    reductions = [n for n in baseline if is_graphshard_collective(n) and not _is_gather(n)]
+    reductions = [n for n in baseline if _is_reduction(n)]
     ends = [slot[r] for r in reductions[1:]] + [slot[baseline[-1]]]  # baseline[-1]: the output
     costed = policy.compute_seconds and policy.collective_seconds
     last_gathered = max((slot[wait_of(n)] for n in baseline if _is_gather(n)), default=-1)
@@ -364,7 +371,7 @@ def _hand_over(baseline: Sequence[fx.Node], policy: ReorderPolicy, issue: dict[f
     if not (policy.compute_seconds and policy.collective_seconds):
         return
     slot = {node: index for index, node in enumerate(baseline)}
-    for reduction in (n for n in baseline if is_graphshard_collective(n) and not _is_gather(n)):
+    for reduction in (n for n in baseline if _is_reduction(n)):
         wait = wait_of(reduction)
         if wait not in delayed or reduction in shard_side:  # shard side: rank-dependent cost
             continue
@@ -401,7 +408,7 @@ def _reduction_issue_slots(baseline: Sequence[fx.Node], delayed: Mapping[fx.Node
                and not is_collective(node) and not is_wait(node) and not is_view(node)]
     issue = {}
     for index, node in enumerate(baseline):
-        if is_graphshard_collective(node) and not _is_gather(node) and wait_of(node) in delayed:
+        if _is_reduction(node) and wait_of(node) in delayed:
             at = bisect.bisect_right(working, index)
             later = working[at] if at < len(working) else None
             if later is not None and later - 0.75 < delayed[wait_of(node)]:

@@ -1,4 +1,5 @@
-"""The marker ops `graphshard::unshard` and `graphshard::reduce_grad`, and `graphshard::split_copy`.
+"""The marker ops `graphshard::unshard`, `graphshard::reduce_grad` and `graphshard::float8_scale`,
+and `graphshard::split_copy`.
 
 Dynamo and AOTAutograd see these as opaque functional ops, one per parameter read and one per
 gradient, carrying everything the lowering needs in their arguments (passes/markers.py types
@@ -12,7 +13,7 @@ from __future__ import annotations
 import torch
 
 from graphshard.runtime.collective_check import CheckedEagerEmitter
-from graphshard.passes.lowering import lower_reduce_grad, lower_unshard
+from graphshard.passes.lowering import lower_float8_scale, lower_reduce_grad, lower_unshard
 from graphshard.passes.markers import REDUCE_SCHEMA, UNSHARD_SCHEMA, ReduceSpec, UnshardSpec
 
 
@@ -27,7 +28,20 @@ def unshard(shard: torch.Tensor, *args) -> torch.Tensor:
 def _unshard_fake(shard, *args):
     spec = UnshardSpec(*args)
     shape = (spec.full_dim0, *shard.shape[1:]) if shard.dim() else ()
-    return shard.new_empty(shape, dtype=spec.compute_dtype or shard.dtype)
+    return shard.new_empty(shape, dtype=spec.float8_dtype or spec.compute_dtype or shard.dtype)
+
+
+@torch.library.custom_op("graphshard::float8_scale", mutates_args=(), schema=UNSHARD_SCHEMA)
+def float8_scale(shard: torch.Tensor, *args) -> torch.Tensor:
+    """The float8 scale of the full weight a shard belongs to (its amax, all-reduced MAX over
+    the gather group): what every rank casts its shard with before the float8 gather."""
+    return lower_float8_scale(CheckedEagerEmitter(f"of {UnshardSpec(*args).name}'s float8 scale"),
+                              shard, UnshardSpec(*args))
+
+
+@float8_scale.register_fake
+def _float8_scale_fake(shard, *args):
+    return shard.new_empty((), dtype=torch.float32)
 
 
 @torch.library.custom_op("graphshard::reduce_grad", mutates_args=(), schema=REDUCE_SCHEMA)
@@ -71,6 +85,10 @@ def _split_copy_fake(row_blocks, sizes):
 
 def call_unshard(shard: torch.Tensor, spec: UnshardSpec) -> torch.Tensor:
     return torch.ops.graphshard.unshard(shard, *spec.args_at_read())
+
+
+def call_float8_scale(shard: torch.Tensor, spec: UnshardSpec) -> torch.Tensor:
+    return torch.ops.graphshard.float8_scale(shard, *spec.as_args())
 
 
 def call_reduce_grad(grad: torch.Tensor, spec: ReduceSpec) -> torch.Tensor:

@@ -18,6 +18,7 @@ from torch.distributed.tensor import DTensor
 from graphshard._transformers import is_transformers_class
 from graphshard._torch_compat import rnn_flat_weight_names, rnn_weight_cache_overrides
 from graphshard.compiler.ops import call_unshard
+from graphshard.float8 import read_float8_weight
 from graphshard.grad_sync import unshard_for_grad_sync
 from graphshard.runtime.full_weights import load_from_state_dict, setattr_sharded, shard_of
 from graphshard.runtime.gathered_weight import GatheredWeightGrad, eager_when_not_inlined
@@ -85,6 +86,8 @@ def _param_property(name: str) -> property:
         local, spec = shard.leaf_for(module._parameters[name].requires_grad), record.specs[name]
         if local.is_meta:  # static under torch.compile: Dynamo re-raises it as is
             raise RuntimeError(_still_on_meta(module))
+        if spec.float8_dtype is not None:  # a torchao Float8Linear's weight: gathered in float8
+            return read_float8_weight(module, local, spec, record.model.grad_sync)
         full = None
         if local.requires_grad and torch.is_grad_enabled():
             # No-sync micro-batches (gradient accumulation) take another path; Dynamo guards

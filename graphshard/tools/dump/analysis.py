@@ -8,6 +8,8 @@ import time
 from dataclasses import dataclass
 from typing import Any, Callable, Sequence
 
+import torch
+
 from graphshard.passes import meta_keys
 from graphshard.tools.dump.capture import capture
 from graphshard.tools.dump.loading import DumpError, Workload, sharded_on_fake_cluster
@@ -41,15 +43,18 @@ def param_infos(model) -> dict[str, ParamInfo]:
 
     infos: dict[str, ParamInfo] = {}
     for param, spec in sharded_params(model):
-        gather = spec.compute_dtype or param.dtype
+        compute = spec.compute_dtype or param.dtype
         # What graphshard gathers: the whole parameter, or this rank's TP piece of it.
         local = param.to_local()
         shape = (spec.full_dim0, *local.shape[1:]) if local.dim() else ()
         infos[spec.name] = ParamInfo(
             spec.name, shape, param.dtype, math.prod(shape),
             param.to_local().numel(), param.requires_grad, bool(spec.gather_group),
-            gather, spec.reduce_dtype or gather, spec.reduce_groups[0])
+            spec.float8_dtype or compute, spec.reduce_dtype or compute, spec.reduce_groups[0])
     return infos
+
+
+FLOAT8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
 
 
 def dtype_name(dtype) -> str:
@@ -102,12 +107,13 @@ def collective_records(kind: str, gm, estimate, infos: dict[str, ParamInfo],
         op = collective_kind(node)
         buffer = tensor_val(node if op == "all_gather" else node.args[0])
         buffer_bytes = int(buffer.numel()) * buffer.element_size() if buffer is not None else 0
-        dtype = buffer.dtype if buffer is not None else None
+        dtype = node.meta.get(meta_keys.PAYLOAD_DTYPE, buffer.dtype if buffer is not None else None)
         names = list(node.meta.get(meta_keys.PARAMS, ()))
         group_name, _ = collective_group(node)
         known = [infos[n] for n in names if n in infos]
         replica_reduce = op == "all_reduce" and known and group_name != known[0].shard_group
-        if known and dtype is not None and not replica_reduce:
+        scale = node.meta.get(meta_keys.ROLE) == "float8_scale"  # one number per weight
+        if known and dtype is not None and not replica_reduce and not scale:
             nbytes = sum(p.numel for p in known) * dtype.itemsize
         else:
             nbytes = buffer_bytes
@@ -221,6 +227,11 @@ def difference_notes(records: list[CollectiveRecord], infos: dict[str, ParamInfo
             if not_regathered - kept:
                 notes.append("not re-gathered in backward (their values are not needed to "
                              f"compute any gradient): {listing(not_regathered - kept)}")
+    scales = [r for r in records if r.op == "all_reduce" and r.params
+              and all(infos[n].gather_dtype in FLOAT8_DTYPES for n in r.params if n in infos)]
+    if scales:
+        notes.append(f"float8 scales: {len(scales)} all-reduce(s) MAX of one number per float8 "
+                     f"weight ({human_bytes(sum(r.bytes for r in scales))})")
     padding = sum(r.buffer_bytes - r.bytes for r in records if r.op != "all_reduce")
     if padding:
         notes.append(f"padding of uneven shards adds {human_bytes(padding)} of buffers "
