@@ -369,7 +369,8 @@ def test_float8_scale_lowering_matches_torchao():
     from graphshard.passes.markers import UnshardSpec
 
     weight = torch.randn(48, 16) * 3
-    spec = UnshardSpec(48, "", 1, None, True, ("",), (1,), False, None, "w", 0, "gloo", True, FLOAT8)
+    spec = UnshardSpec(48, "", 1, None, True, ("",), (1,), False, None, "w", 0, 0, "gloo", True,
+                       FLOAT8)
     expected = amax_to_scale(weight.abs().max(), FLOAT8)
     assert torch.equal(lower_float8_scale(EagerEmitter(), weight, spec), expected)
     empty = lower_float8_scale(EagerEmitter(), weight[:0], spec)  # an empty shard: amax 0
