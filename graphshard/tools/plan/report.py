@@ -49,6 +49,7 @@ def published_figures(target: str, devices: int, cluster: str, seq: int, configs
     if figure is None:
         return []
     fsdp = [c for c in configs if c.layout.strategy == "full_shard" and c.knobs.keep == "last"
+            and c.layout.tp == 1
             and c.layout.param_dtype == "bfloat16" and c.layout.micro_batch == 1]
     lines = [f"published: {figure}"]
     for c in sorted(fsdp, key=lambda c: c.layout.ac):
