@@ -39,6 +39,7 @@ class TPRun:
     micro_batches: int = 1
     peer: str = "graphshard"  # or "fsdp2": torch's fully_shard on the same TP model, eager
     compiled: bool = True
+    options: tuple = ()  # graphshard backend options, as (key, value) pairs
 
 
 def build(model: str) -> nn.Module:
@@ -93,7 +94,8 @@ def _parallel_model(run: TPRun):
         strategy = "hybrid_shard" if len(run.mesh) == 3 else "full_shard"
         graphshard.shard(model, dp_mesh, strategy=strategy, param_dtype=run.param_dtype,
                          reduce_dtype=torch.float32 if run.param_dtype else None)
-        fn = torch.compile(model, backend="graphshard", fullgraph=True) if run.compiled else model
+        fn = (torch.compile(model, backend="graphshard", fullgraph=True, options=dict(run.options))
+              if run.compiled else model)
     coordinate = mesh.get_coordinate()
     dp_rank, dp_size = 0, 1
     for dim in range(len(dp_names)):  # row-major over the data-parallel dims
@@ -159,7 +161,9 @@ def reference(model_name: str, dp_size: int, param_dtype=None) -> dict:
 
 WORLD4 = [
     TPRun("llama-2x2-fp32-ac-accumulation", "llama", (2, 2), checkpointing=True, micro_batches=2),
-    TPRun("llama-2x2-bf16", "llama", (2, 2), param_dtype=torch.bfloat16),
+    # bf16 on the NCCL path's collectives (native all-gather and reduce-scatter)
+    TPRun("llama-2x2-bf16", "llama", (2, 2), param_dtype=torch.bfloat16,
+          options=(("all_gather", "native"), ("reduce_scatter", "native"))),
     TPRun("qwen2-hybrid-2x1x2-fp32", "qwen2", (2, 1, 2)),
     TPRun("llama-2x2-fp32-fsdp2", "llama", (2, 2), checkpointing=True, micro_batches=2,
           peer="fsdp2"),
