@@ -200,12 +200,14 @@ class LlamaBlock(nn.Module):
 class Llama(nn.Module):
     """Llama-3-style decoder: RMSNorm, rotary embeddings, grouped-query attention, SwiGLU."""
 
-    # Its tensor-parallel plan (graphshard.parallelize), torchtitan's for the same model.
+    # Its tensor-parallel plan (graphshard.parallelize): torchtitan's for the blocks. The output
+    # head stays whole on every TP rank (sharded by graphshard): gathering column-parallel
+    # logits would move batch x seq x vocab per step (4 GiB at seq 8192, vocab 128k).
     tp_plan = {
         "layers.*.attention.wq": "colwise", "layers.*.attention.wk": "colwise",
         "layers.*.attention.wv": "colwise", "layers.*.attention.wo": "rowwise",
         "layers.*.feed_forward.w1": "colwise", "layers.*.feed_forward.w3": "colwise",
-        "layers.*.feed_forward.w2": "rowwise", "output": "colwise_gather_output",
+        "layers.*.feed_forward.w2": "rowwise",
     }
 
     def __init__(self, config: LlamaConfig = LlamaConfig()):
