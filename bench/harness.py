@@ -52,9 +52,9 @@ class BenchConfig:
     model: str = "transformer"
     model_args: tuple[tuple[str, object], ...] = ()
     nproc: int = 2
+    tp: int = 1  # TP degree of the tensor-parallel methods (the (nproc / tp, tp) mesh)
     methods: tuple[str, ...] = ("ddp_eager", "fsdp2_eager")
     batch: int = 8  # global batch; each rank trains batch // nproc samples
-    tp: int = 1  # TP degree of the tensor-parallel methods (the (nproc / tp, tp) mesh)
     seq: int = 32
     steps: int = 10  # timed steps per method per repeat
     repeats: int = 3
