@@ -40,6 +40,9 @@ def _parser() -> argparse.ArgumentParser:
                    help=f"comma list from: {', '.join(METHODS)} (default: all); graphshard "
                         "with backend options as graphshard:KEY=VALUE+KEY=VALUE, e.g. "
                         "graphshard:prefetch=2+bucket_mb=25")
+    p.add_argument("--tp", type=int, default=1,
+                   help="TP degree of the tensor-parallel methods (graphshard_tp, fsdp2_tp, "
+                        "fsdp2_tp_compile): a (nproc / tp, tp) mesh, the model's own TP plan")
     p.add_argument("--batch", type=int, default=8, help="global batch, split evenly over ranks")
     p.add_argument("--seq", type=int, default=32, help="sequence length")
     p.add_argument("--steps", type=int, default=10, help="timed steps per method per repeat")
@@ -57,10 +60,13 @@ def _parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
-    for flag in ("nproc", "batch", "seq", "steps", "repeats", "warmup"):
+    for flag in ("nproc", "tp", "batch", "seq", "steps", "repeats", "warmup"):
         if getattr(args, flag) < 1:
             print(f"bench: --{flag} must be at least 1", file=sys.stderr)
             return 2
+    if args.nproc % args.tp:
+        print(f"bench: --tp {args.tp} does not divide --nproc {args.nproc}", file=sys.stderr)
+        return 2
     if args.batch % args.nproc:
         print(f"bench: --batch {args.batch} does not split evenly over --nproc {args.nproc}",
               file=sys.stderr)
@@ -71,7 +77,8 @@ def main(argv: list[str] | None = None) -> int:
     from graphshard.bench.report import format_breakdown, format_table, plot, summarize, write_json
 
     cfg = BenchConfig(
-        model=args.model, model_args=args.model_args, nproc=args.nproc, methods=args.methods,
+        model=args.model, model_args=args.model_args, nproc=args.nproc, tp=args.tp,
+        methods=args.methods,
         batch=args.batch, seq=args.seq, steps=args.steps, repeats=args.repeats,
         warmup=args.warmup, optimizer=args.optimizer, lr=args.lr, seed=args.seed,
     )
@@ -84,7 +91,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"bench: bad model options: {exc}", file=sys.stderr)
         return 2
 
-    print(f"bench: {cfg.model} {dict(cfg.model_args) or ''} world size {cfg.nproc}, "
+    print(f"bench: {cfg.model} {dict(cfg.model_args) or ''} world size {cfg.nproc}"
+          f"{f' (TP methods: {cfg.nproc // cfg.tp} x {cfg.tp})' if cfg.tp > 1 else ''}, "
           f"global batch {cfg.batch}, seq {cfg.seq}, {cfg.repeats} x {cfg.steps} timed steps, "
           f"methods {', '.join(cfg.methods)}", flush=True)
     timing, profile = run(cfg)

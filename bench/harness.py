@@ -52,6 +52,7 @@ class BenchConfig:
     model: str = "transformer"
     model_args: tuple[tuple[str, object], ...] = ()
     nproc: int = 2
+    tp: int = 1  # TP degree of the tensor-parallel methods (the (nproc / tp, tp) mesh)
     methods: tuple[str, ...] = ("ddp_eager", "fsdp2_eager")
     batch: int = 8  # global batch; each rank trains batch // nproc samples
     seq: int = 32
@@ -66,6 +67,33 @@ class BenchConfig:
     def threads_per_rank(self) -> int:
         # One rank per core at most: more threads than cores would time the OS scheduler.
         return max(1, (os.cpu_count() or 1) // self.nproc)
+
+
+@dataclass(frozen=True)
+class RankPlacement:
+    """What a method trains on, on this rank: its mesh and its slice of the global batch."""
+
+    mesh: DeviceMesh
+    inputs: tuple[torch.Tensor, ...]
+
+
+def rank_placements(cfg: BenchConfig, workload: Workload, rank: int) -> dict[bool, RankPlacement]:
+    """This rank's placement for the data-parallel methods (False) and, when any method is
+    tensor-parallel, for those (True): the (dp, tp) mesh, where the ranks of one TP group
+    train the same rows, their data-parallel rank's (rank // tp)."""
+    placements = {False: RankPlacement(init_device_mesh("cpu", (cfg.nproc,)),
+                                       workload.local_inputs(rank, cfg.nproc))}
+    if any(method(name).tensor_parallel for name in cfg.methods):
+        dp = cfg.nproc // cfg.tp
+        mesh = init_device_mesh("cpu", (dp, cfg.tp), mesh_dim_names=("dp", "tp"))
+        placements[True] = RankPlacement(mesh, workload.local_inputs(rank // cfg.tp, dp))
+    return placements
+
+
+def placed_set_up(name: str, cfg: BenchConfig, workload: Workload,
+                  placements: dict[bool, RankPlacement]) -> Callable[[], torch.Tensor]:
+    placement = placements[method(name).tensor_parallel]
+    return set_up(name, cfg, workload, placement.mesh, placement.inputs)
 
 
 @dataclass
@@ -168,12 +196,12 @@ def _prime_inductor() -> None:
 # --------------------------------------------------------------------------- phases
 
 
-def _set_up_all(cfg: BenchConfig, workload: Workload, mesh: DeviceMesh, inputs, result: RankResult
-                ) -> dict[str, Callable[[], torch.Tensor]]:
+def _set_up_all(cfg: BenchConfig, workload: Workload, placements: dict[bool, RankPlacement],
+                result: RankResult) -> dict[str, Callable[[], torch.Tensor]]:
     steps = {}
     for name in cfg.methods:
         try:
-            steps[name] = set_up(name, cfg, workload, mesh, inputs)
+            steps[name] = placed_set_up(name, cfg, workload, placements)
             result.status[name] = OK
         except MethodUnavailable as exc:
             result.status[name] = f"unavailable: {exc}"
@@ -198,11 +226,12 @@ def _run_steps(name: str, step: Callable[[], torch.Tensor], count: int, result: 
         return False
 
 
-def timing_phase(cfg: BenchConfig, workload: Workload, mesh: DeviceMesh, inputs) -> RankResult:
+def timing_phase(cfg: BenchConfig, workload: Workload, placements: dict[bool, RankPlacement]
+                 ) -> RankResult:
     result = RankResult()
     if any(method(name).compiled for name in cfg.methods):
         _prime_inductor()
-    steps = _set_up_all(cfg, workload, mesh, inputs, result)
+    steps = _set_up_all(cfg, workload, placements, result)
 
     for name, step in steps.items():
         result.losses[name], result.step_s[name] = [], []
@@ -227,7 +256,8 @@ def timing_phase(cfg: BenchConfig, workload: Workload, mesh: DeviceMesh, inputs)
     return result
 
 
-def profile_phase(cfg: BenchConfig, workload: Workload, mesh: DeviceMesh, inputs) -> RankResult:
+def profile_phase(cfg: BenchConfig, workload: Workload, placements: dict[bool, RankPlacement]
+                  ) -> RankResult:
     result = RankResult()
     compiled = [name for name in cfg.methods if method(name).compiled]
     if compiled:
@@ -238,13 +268,13 @@ def profile_phase(cfg: BenchConfig, workload: Workload, mesh: DeviceMesh, inputs
             if method(name).compiled:
                 # Warm compile: fresh process, cache filled by the timing launch, no profiler.
                 before = _dynamo_counts()
-                step = set_up(name, cfg, workload, mesh, inputs)
+                step = placed_set_up(name, cfg, workload, placements)
                 result.first_step_s[name] = _timed(step)[0]
                 result.dynamo[name] = _counts_since(before)
                 del step
                 gc.collect()
             with memory_profile() as prof:
-                step = set_up(name, cfg, workload, mesh, inputs)
+                step = placed_set_up(name, cfg, workload, placements)
                 step(), step()
                 with measured_step():
                     for _ in range(PROFILED_STEPS):
@@ -276,10 +306,8 @@ def _worker(rank: int, cfg: BenchConfig, phase: str, port: int, out_path: str) -
         # Several compiled methods trace the same forward code objects; do not let Dynamo's
         # per-code recompile limit fall back to eager for the later ones.
         allow_recompiles(per_code=64, total=4096)
-        mesh = init_device_mesh("cpu", (cfg.nproc,))
         workload = build_workload(cfg.model, cfg.batch, cfg.seq, cfg.seed, dict(cfg.model_args))
-        inputs = workload.local_inputs(rank, cfg.nproc)
-        result = PHASES[phase](cfg, workload, mesh, inputs)
+        result = PHASES[phase](cfg, workload, rank_placements(cfg, workload, rank))
         gathered: list[dict] = [{} for _ in range(cfg.nproc)]
         dist.all_gather_object(gathered, asdict(result))
         if rank == 0:

@@ -1,7 +1,9 @@
 """The methods being compared: name -> setup(model, mesh) -> the module to train.
 
 A setup function takes a fresh copy of the model (identical initial weights on every rank) and
-a 1-D device mesh over all ranks, and returns the callable to train; its `.parameters()` are
+a 1-D device mesh over all ranks (a tensor-parallel method: the 2-D (dp, tp) mesh, `--tp`
+ranks per TP group, each group training one data-parallel slice of the batch), and returns
+the callable to train; its `.parameters()` are
 what the optimizer steps (local tensors for DDP, DTensor shards for the FSDP methods). The
 training step itself is the harness's, the same for every method. A setup that cannot run here
 (an optional package missing, graphshard not landed yet) raises `MethodUnavailable`; the harness
@@ -17,7 +19,7 @@ import torch
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
 
-from graphshard.bench.workload import transformer_blocks
+from graphshard.bench.workload import tensor_parallel_module, transformer_blocks
 from graphshard.passes.units import named_blocks
 
 
@@ -33,6 +35,8 @@ class Method:
     setup: SetupFn
     compiled: bool  # has a compile cost worth reporting (first-step time)
     description: str
+    # Set up on the (dp, tp) mesh; its inputs are its data-parallel rank's slice of the batch.
+    tensor_parallel: bool = False
 
 
 def _ddp(model: nn.Module, mesh: DeviceMesh) -> nn.Module:
@@ -59,6 +63,26 @@ def _fsdp2(model: nn.Module, mesh: DeviceMesh, compile_blocks: bool = False) -> 
 
 def _fsdp2_compiled(model: nn.Module, mesh: DeviceMesh) -> nn.Module:
     return _fsdp2(model, mesh, compile_blocks=True)
+
+
+def _parallelized(model: nn.Module, mesh: DeviceMesh) -> nn.Module:
+    """`model` with its own TP plan applied on mesh["tp"] (graphshard.parallelize)."""
+    import graphshard
+    from graphshard.tensor_parallel_plan import model_tp_plan
+
+    inner = tensor_parallel_module(model)
+    if not model_tp_plan(inner):
+        raise MethodUnavailable("the model has no TP plan")
+    graphshard.parallelize(inner, mesh["tp"])
+    return model
+
+
+def _fsdp2_tp(compile_blocks: bool) -> SetupFn:
+    # FSDP2 + TP as torch documents it: parallelize on "tp", then fully_shard on "dp".
+    def setup(model: nn.Module, mesh: DeviceMesh) -> nn.Module:
+        return _fsdp2(_parallelized(model, mesh), mesh["dp"], compile_blocks)
+
+    return setup
 
 
 def _simple_fsdp(mode: str) -> SetupFn:
@@ -103,11 +127,14 @@ def _compiled(setup: SetupFn, **compile_kwargs) -> SetupFn:
 
 
 def _graphshard_compiled(options: dict | None, shard_kwargs: dict | None = None,
-                         activation_checkpointing: str = "none") -> SetupFn:
+                         activation_checkpointing: str = "none",
+                         tensor_parallel: bool = False) -> SetupFn:
     def setup(model: nn.Module, mesh: DeviceMesh) -> nn.Module:
         import graphshard
 
         graphshard.apply_activation_checkpointing(model, activation_checkpointing)
+        if tensor_parallel:
+            model, mesh = _parallelized(model, mesh), mesh["dp"]
         sharded = _graphshard_shard(model, mesh, **(shard_kwargs or {}))
         _graphshard_backend()  # the entry point resolves (MethodUnavailable if not)
         from graphshard.compiler.backend import GraphshardCompiler
@@ -116,7 +143,8 @@ def _graphshard_compiled(options: dict | None, shard_kwargs: dict | None = None,
         # The backend object itself, not its name: the bench reads its predicted peak, which
         # a compile served from AOTAutograd's cache would not compute.
         compiler = GraphshardCompiler(GraphshardOptions.from_dict(options), aot_cache=False)
-        compiled = torch.compile(sharded, backend=compiler)
+        # fullgraph with TP: a graph break would leave the TP plan's DTensor ops eager.
+        compiled = torch.compile(sharded, backend=compiler, fullgraph=tensor_parallel)
         compiled.graphshard_compiler = compiler
         return compiled
 
@@ -156,11 +184,24 @@ METHODS: dict[str, Method] = {
         _graphshard_compiled({"bucket_mb": 0, "reorder": False}), True,
         "graphshard with bucketing and reordering off",
     ),
+    # Tensor parallelism on a (world / --tp, --tp) mesh: the model's own TP plan on "tp"
+    # (graphshard.parallelize), then each method's data parallelism on "dp".
+    "graphshard_tp": Method(_graphshard_compiled(None, tensor_parallel=True), True,
+                            "graphshard.parallelize on tp + graphshard.shard on dp, fullgraph",
+                            tensor_parallel=True),
+    "fsdp2_tp": Method(_fsdp2_tp(compile_blocks=False), False,
+                       "graphshard.parallelize on tp + FSDP2 per block + root on dp, eager",
+                       tensor_parallel=True),
+    "fsdp2_tp_compile": Method(_fsdp2_tp(compile_blocks=True), True,
+                               "as fsdp2_tp, blocks compiled (Inductor) before fully_shard",
+                               tensor_parallel=True),
 }
 
 # Ratios in the table are against these two.
 BASELINES = ("fsdp2_eager", "ddp_eager")
-DEFAULT_METHODS = tuple(name for name in METHODS if name not in ("compute_only", "collectives_only"))
+# The default run is the data-parallel peer table; the TP methods are asked for by name.
+DEFAULT_METHODS = tuple(name for name, m in METHODS.items()
+                        if name not in ("compute_only", "collectives_only") and not m.tensor_parallel)
 
 
 # Keys of a graphshard variant that are not backend options.

@@ -59,6 +59,11 @@ def build_workload(name: str, batch: int, seq_len: int, seed: int, overrides: di
     return Workload(model, tuple(inputs), loss_fn, name)
 
 
+def tensor_parallel_module(model: nn.Module) -> nn.Module:
+    """The module whose TP plan applies: the Hugging Face model inside the logits adapter."""
+    return model.inner if isinstance(model, _LogitsOnly) else model
+
+
 def transformer_blocks(model: nn.Module) -> list[nn.Module]:
     """The repeated blocks (graphshard's units, passes/units.py): FSDP2 shards each one separately."""
     return repeated_blocks(model)

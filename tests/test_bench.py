@@ -3,6 +3,7 @@ collective counter on graphshard's step."""
 
 from __future__ import annotations
 
+import copy
 import json
 import threading
 from dataclasses import asdict
@@ -349,3 +350,67 @@ def test_collectives_only_replays_graphshards_collectives_without_its_compute():
         assert replay["collectives"] == real["collectives"]
         assert replay["comm_bytes"] == real["comm_bytes"]
         assert replay["peak_bytes"] < real["peak_bytes"]
+
+
+TP_METHODS = ("graphshard_tp", "fsdp2_tp", "fsdp2_tp_compile")
+
+
+@pytest.mark.parametrize("fake_pg", [4], indirect=True)
+def test_tensor_parallel_methods_split_the_batch_by_data_parallel_rank_and_keep_their_plans(fake_pg):
+    """At 2 x 2 the two ranks of a TP group train the same rows, their data-parallel rank's;
+    each TP method parallelises on "tp" and shards on "dp"; a model without a TP plan is
+    reported unavailable."""
+    from torch.distributed.tensor import DTensor, Shard
+
+    from graphshard.bench.harness import rank_placements
+    from graphshard.bench.methods import MethodUnavailable, method
+
+    model_args = {"dim": 32, "n_layers": 2, "n_heads": 4, "n_kv_heads": 2, "ffn_hidden": 64}
+    cfg = BenchConfig(model="llama", nproc=4, tp=2, methods=("ddp_eager", *TP_METHODS))
+    workload = build_workload("llama", 8, 16, 0, model_args)
+    rows = [rank_placements(cfg, workload, rank)[True].inputs[0] for rank in range(4)]
+    assert torch.equal(rows[0], rows[1]) and torch.equal(rows[2], rows[3])
+    assert torch.equal(torch.cat([rows[0], rows[2]]), workload.inputs[0])  # the global batch
+    placements = rank_placements(cfg, workload, 0)
+    assert placements[True].mesh.mesh_dim_names == ("dp", "tp")
+    assert placements[False].inputs[0].shape[0] == 2  # the data-parallel methods: 1/4 each
+
+    for name in TP_METHODS:
+        model = copy.deepcopy(workload.model)
+        trained = method(name).setup(model, placements[True].mesh)
+        # what the optimizer steps; a compiled module's names carry "_orig_mod."
+        wq = {n.replace("_orig_mod.", ""): p for n, p in trained.named_parameters()}[
+            "layers.0.attention.wq.weight"]
+        assert isinstance(wq, DTensor) and wq.device_mesh.ndim == 2, name  # (dp, tp)
+        assert wq.placements[1] == Shard(0), name  # colwise on tp
+    no_plan = build_workload("transformer", 8, 16, 0, MODEL_ARGS).model
+    for name in TP_METHODS:
+        with pytest.raises(MethodUnavailable, match="the model has no TP plan"):
+            method(name).setup(copy.deepcopy(no_plan), placements[True].mesh)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+def test_bench_tensor_parallel_methods_train_as_ddp(tmp_path):
+    """graphshard + TP and FSDP2 + TP at world size 2 (1 x 2) on the Hugging Face Llama: their
+    losses DDP's at the same global batch."""
+    out = tmp_path / "results.json"
+    model_args = "hidden_size=32,intermediate_size=64,num_hidden_layers=1,num_attention_heads=4,num_key_value_heads=2"
+    names = ("ddp_eager", "graphshard_tp", "fsdp2_tp")
+    assert main(["--model", "hf-llama", "--model-args", model_args, "--nproc", "2", "--tp", "2",
+                 "--methods", ",".join(names), "--steps", "2", "--repeats", "1",
+                 "--warmup", "1", "--json", str(out), "--plot", ""]) == 0
+    results = json.loads(out.read_text())
+    assert results["config"]["tp"] == 2
+    for name in names:
+        method = results["methods"][name]
+        assert method["status"] == "ok", (name, method["status"])
+        assert method["loss_max_abs_diff"] <= 1e-4, name
+        assert method["peak_mib"] > 0 and method["step_ms"]["n"] == 2
+    # TP's collectives beside the data-parallel ones: more than DDP's one all-reduce bucket
+    assert results["methods"]["graphshard_tp"]["collectives_per_step"] > 1
+
+
+def test_bench_refuses_a_tp_degree_that_does_not_divide_the_world(capsys):
+    assert main(["--nproc", "2", "--tp", "3", "--methods", "fsdp2_tp"]) == 2
+    assert "--tp 3 does not divide --nproc 2" in capsys.readouterr().err
