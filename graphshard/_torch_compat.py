@@ -423,6 +423,22 @@ def strided_shard(dim: int, split_factor: int):
     return _StridedShard(dim, split_factor=split_factor)
 
 
+def clear_dtensor_caches() -> None:
+    """Forget DTensor's sharding-propagation results. They are keyed by DeviceMesh equality
+    (ranks and names, not process groups), so after a fake process group is destroyed and a new
+    one made (dump and plan, one cluster after another in one process) a cached result would
+    hand back a mesh of the dead group, and its collectives a dead group name. Public
+    replacement: none."""
+    from torch.distributed.tensor import DTensor
+    from torch.distributed.tensor._redistribute import _gen_transform_infos
+
+    torch._C._clear_DTensor_sharding_propagator_cache()
+    propagator = DTensor._op_dispatcher.sharding_propagator
+    propagator.propagate_op_sharding.cache_clear()
+    propagator._propagate_tensor_meta_cached.cache_clear()
+    _gen_transform_infos.cache_clear()
+
+
 def is_strided_shard(placement) -> bool:
     """Whether `placement` is DTensor's `_StridedShard` (not a Shard subclass, nor is_shard()).
     Public replacement: none."""

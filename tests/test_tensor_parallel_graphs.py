@@ -85,3 +85,16 @@ def test_bad_tensor_parallel_inputs_get_clear_errors(fake_pg):
     model = graphshard.parallelize(_mlp(), swapped["tp_outer"], {"0": "colwise"})
     with pytest.raises(ValueError, match="must come before the TP dims"):
         graphshard.shard(model, swapped["dp_inner"])
+
+
+def test_clusters_one_after_another_in_one_process_use_their_own_groups():
+    """plan captures one layout after another, each on a new fake process group: DTensor's
+    cached sharding results (keyed by mesh equality) must not hand a layout a dead group."""
+    args = {"n_layers": 1, "dim": 64, "n_heads": 8, "n_kv_heads": 8, "vocab_size": 128}
+    for strategy, shard_size, mesh in (("full_shard", None, [32, 2]),
+                                       ("hybrid_shard", 4, [8, 4, 2])):
+        workload = load_workload("llama", meta=True, batch=1, seq_len=16, model_args=args)
+        report = dump(workload, world_size=64, tp=2, strategy=strategy,
+                      shard_size=shard_size).report
+        assert report.mesh == mesh
+        assert any(c.purpose == "tensor_parallel" for c in report.collectives)

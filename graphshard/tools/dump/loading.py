@@ -186,7 +186,8 @@ def sharded_on_fake_cluster(workload: Workload, world_size: int, strategy: str,
     from torch.distributed.device_mesh import init_device_mesh
 
     import graphshard
-    from graphshard._torch_compat import fake_tensor_mode, init_fake_process_group
+    from graphshard._torch_compat import (clear_dtensor_caches, fake_tensor_mode,
+                                          init_fake_process_group)
 
     if tp < 1 or world_size % tp:
         raise DumpError(f"--tp {tp} must be >= 1 and divide the world size {world_size}")
@@ -194,6 +195,7 @@ def sharded_on_fake_cluster(workload: Workload, world_size: int, strategy: str,
     if strategy == "hybrid_shard" and data_parallel % shard_size:
         raise DumpError(f"--shard-size {shard_size} must divide the data-parallel size "
                         f"{data_parallel} (world size {world_size} / tp {tp})")
+    clear_dtensor_caches()  # nothing from an earlier (fake) cluster in this process
     init_fake_process_group(world_size)
     try:
         to_fake_tensors(workload, fake_tensor_mode())
