@@ -74,6 +74,35 @@ def sync_initial_state(model: nn.Module, mesh: DeviceMesh,
         _sync_rng_states(mesh)
 
 
+def sync_across_tensor_parallel(model: nn.Module, tp_mesh: DeviceMesh,
+                                replicated: Iterable[nn.Parameter]) -> None:
+    """The TP ranks of a data-parallel rank hold TP rank 0's copy of what the TP plan left
+    replicated: parameters outside the plan (`replicated`, this rank's shards of them) and
+    buffers; and, for a model still on the meta device, its RNG states (materialize then draws
+    rank 0's values everywhere). The plan's own parameters came from TP rank 0 already (torch's
+    distribute_tensor). Every rank of the TP mesh must call it."""
+    if tp_mesh.size() == 1 or dist.get_backend(tp_mesh.get_group(0)) == "fake":
+        return
+    seen, unmaterialized = set(), False
+    with torch.no_grad():
+        for param in replicated:
+            if id(param) in seen:
+                continue
+            seen.add(id(param))
+            local = param.to_local()
+            if local.is_meta:
+                unmaterialized = True
+            else:
+                _broadcast_from_origin(tp_mesh, local)
+        for buf in model.buffers():
+            if buf is not None and buf.is_meta:
+                unmaterialized = True
+            elif buf is not None:
+                _broadcast_from_origin(tp_mesh, buf)
+    if unmaterialized:
+        _sync_rng_states(tp_mesh)
+
+
 def _in_origin_group(mesh: DeviceMesh, dims: int) -> bool:
     """Whether this rank's coordinates on mesh dims [0, dims) are all 0."""
     return all(c == 0 for c in mesh.get_coordinate()[:dims])

@@ -19,6 +19,7 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
 from graphshard._transformers import is_transformers_model
+from graphshard import _torch_compat as compat
 from graphshard._torch_compat import is_norm_with_running_stats, tree_map
 from graphshard.compiler import rank_agreement
 from graphshard.early_optimizers import remember_replacement, update_live_optimizers
@@ -237,10 +238,14 @@ def shard(
         model.register_forward_pre_hook(functools.partial(_cast_forward_inputs, policy.param_dtype),
                                         with_kwargs=True)
     if sync_module_states:
-        from graphshard.initial_sync import sync_initial_state
+        from graphshard.initial_sync import sync_across_tensor_parallel, sync_initial_state
 
         sync_initial_state(model, mesh, [(_tensor_parallel_piece(param), sharded[id(param)])
                                          for *_, param in slots])
+        if layouts:  # what the TP plan left replicated, alike on every TP rank
+            tp_mesh = compat.root_mesh(mesh)[next(iter(layouts.values())).mesh.mesh_dim_names]
+            sync_across_tensor_parallel(model, tp_mesh, [
+                sharded[id(param)] for *_, param in slots if not layouts[id(param)].parallel])
     update_live_optimizers()  # one built from model.parameters() before shard() now holds shards
     return model
 

@@ -47,6 +47,14 @@ class TensorParallelLayout:
         return DTensor.from_local(piece, self.mesh, self.placements, run_check=False,
                                   shape=self.shape, stride=self.stride)
 
+    def piece_shape(self) -> torch.Size:
+        """The shape of this rank's TP piece (what the parameter read gathers)."""
+        shape = list(self.shape)
+        for d, placement in enumerate(self.placements):
+            if placement.is_shard():
+                shape[placement.dim] //= self.mesh.size(d)
+        return torch.Size(shape)
+
     def dim0_split(self) -> int:
         """Into how many pieces TP cuts dim 0 (ColwiseParallel: the TP degree; else 1)."""
         return prod(self.mesh.size(d) for d, p in enumerate(self.placements)
@@ -106,6 +114,12 @@ def _check_sibling_meshes(fqn: str, tp_mesh: DeviceMesh, dp_mesh: DeviceMesh) ->
                          f"dimension names, or the data-parallel mesh has none: {recipe}")
     root = compat.root_mesh(dp_mesh)
     names = root.mesh_dim_names
+    if not set(dp_mesh.mesh_dim_names) <= set(names):
+        raise ValueError(
+            f"graphshard.shard: the data-parallel mesh's dims {dp_mesh.mesh_dim_names} are not "
+            f"dims of the mesh {names} it was sliced from (a flattened mesh); with TP pass the "
+            "data-parallel dims themselves: mesh['dp'], or mesh['replicate', 'shard'] with "
+            "strategy='hybrid_shard'")
     # The TP mesh must be the dp mesh's sibling: the same ranks as slicing the dp mesh's root
     # by the TP mesh's names (torch may hand out an equal slice of another root it cached).
     if not set(tp_mesh.mesh_dim_names) <= set(names) or not torch.equal(

@@ -58,8 +58,30 @@ def parallelize(model: nn.Module, tp_mesh: DeviceMesh,
                 f"{type(model).__name__} (module names look like {names[:3]}...); fix the "
                 "entry or leave it out")
         styles[pattern] = _style(pattern, style)
+    tied = _tied_names(model)
     parallelize_module(model, tp_mesh, styles)
+    _check_still_tied(model, tied)
     return model
+
+
+def _tied_names(model: nn.Module) -> list[list[str]]:
+    """Names of each parameter registered under several names (tied weights)."""
+    names: dict[int, list[str]] = {}
+    for name, param in model.named_parameters(remove_duplicate=False):
+        names.setdefault(id(param), []).append(name)
+    return [group for group in names.values() if len(group) > 1]
+
+
+def _check_still_tied(model: nn.Module, tied: list[list[str]]) -> None:
+    # The plan replaces each module's parameters by its own DTensors: a weight tied to a module
+    # the plan leaves alone (or styles differently) would come apart, and train untied.
+    params = dict(model.named_parameters(remove_duplicate=False))
+    for group in tied:
+        if len({id(params[name]) for name in group}) > 1:
+            raise ValueError(
+                f"graphshard.parallelize: the TP plan untied the weights {group} (tied before): "
+                "give every module sharing the weight the same entry, or leave them all out of "
+                "the plan (an input embedding tied to the output head stays whole)")
 
 
 def model_tp_plan(model: nn.Module) -> dict[str, str | ParallelStyle]:

@@ -71,7 +71,7 @@ def test_memory_is_printed_in_a_unit_that_fits(planned):
 
 def test_micro_batches_accumulate_to_the_global_batch():
     assert planner.micro_batches(4) == [4, 2, 1] and planner.micro_batches(3) == [3, 1]
-    layouts = planner.layouts(16, 8, 4, ("none", "full"), ("bfloat16",))
+    layouts = planner.layouts(16, 8, 64, ("none", "full"), ("bfloat16",))
     assert {(layout.strategy, layout.shard_size) for layout in layouts} == {("full_shard", 16), ("hybrid_shard", 8)}
     assert len(layouts) == 2 * 2 * 3  # strategies x AC x micro-batch sizes
     assert planner.shard_group_sizes(64, 8) == [8, 16, 32]
@@ -227,8 +227,11 @@ def test_auto_keeps_as_many_blocks_beyond_the_default_as_the_device_memory_allow
       "/no_such_dir/best.json"], "--out '/no_such_dir/best.json': folder /no_such_dir does not exist"),
     ([*SMALL, "--devices", "12", "--cluster", "h100", "--global-batch", "12"],
      "not a whole number of nodes of 8 devices"),
-    ([*SMALL, "--devices", "8", "--cluster", "h100", "--global-batch", "12"],
-     "must be a positive multiple of --devices 8"),
+    ([*SMALL, "--devices", "8", "--cluster", "h100", "--global-batch", "12", "--tp", "1"],
+     "divides over no data-parallel size of 8 devices"),
+    # TP 4 would split 12 sequences over 2 data-parallel ranks, but the model has no TP plan
+    ([*SMALL, "--devices", "8", "--cluster", "h100", "--global-batch", "12", "--tp", "4"],
+     "no layout could be captured: .*has no tensor-parallel plan"),
     (["llama3-8b", "--seq", "128", "--devices", "1", "--cluster", "local", "--global-batch", "1",
       "--ac", "none", "--dtypes", "bf16", "--model-args", "n_layers=4"],
      r"fits in no configuration on 1 devices of 24.00 GiB: the smallest peak is .* GiB too much"),

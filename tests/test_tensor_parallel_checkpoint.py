@@ -89,10 +89,49 @@ def world4(rank: int, world: int, root: str) -> dict:
     }
 
 
+class Seeded(torch.nn.Module):
+    """Two TP layers around a norm the plan leaves alone, and a buffer."""
+
+    def __init__(self):
+        super().__init__()
+        self.up, self.norm, self.down = (torch.nn.Linear(8, 16), torch.nn.LayerNorm(16),
+                                         torch.nn.Linear(16, 8))
+        self.norm.weight.data.normal_()  # not LayerNorm's all-ones: a difference shows
+        self.register_buffer("scale", torch.randn(8))
+
+
+def _seeded_apart(rank: int, meta: bool) -> dict:
+    """Each rank builds its own (differently seeded) model; shard() must leave every rank with
+    rank 0's: the TP ranks too, for what the plan leaves replicated."""
+    import graphshard
+    from torch.distributed.device_mesh import init_device_mesh
+
+    torch.manual_seed(100 + rank)
+    with torch.device("meta" if meta else "cpu"):
+        model = Seeded()
+    mesh = init_device_mesh("cpu", (1, 2), mesh_dim_names=("dp", "tp"))
+    graphshard.parallelize(model, mesh["tp"], {"up": "colwise", "down": "rowwise"})
+    graphshard.shard(model, mesh["dp"])
+    if meta:
+        graphshard.materialize(model, init_fn=lambda m: m.reset_parameters()
+                               if hasattr(m, "reset_parameters") else None)
+        model.scale.copy_(torch.arange(8.0))  # a meta buffer: the init_fn's job
+    result = {"local": {n: p.to_local().clone() for n, p in model.named_parameters()},
+              "full": {n: p.full_tensor() for n, p in model.named_parameters()},
+              "buffer": model.scale.clone()}
+    with torch.no_grad():  # edits through the module's attributes reach the TP shards
+        model.up.weight.zero_()
+        model.down.weight[0].fill_(3.0)
+        torch.nn.init.constant_(model.up.bias, 2.0)
+    result["edited"] = {n: p.full_tensor() for n, p in model.named_parameters()}
+    return result
+
+
 def world2(rank: int, world: int, root: str) -> dict:
     import graphshard.checkpoint as ckpt
 
-    results = {"2x2->1x2": _load((1, 2), f"{root}/2x2"),
+    results = {"seeded-apart": _seeded_apart(rank, meta=False),
+               "seeded-apart-meta": _seeded_apart(rank, meta=True),"2x2->1x2": _load((1, 2), f"{root}/2x2"),
                "saved-1x2": _train_and_save((1, 2), f"{root}/1x2", step=3)}
     if rank == 0:
         ckpt.export(f"{root}/2x2", f"{root}/hf")
@@ -105,11 +144,11 @@ def world2(rank: int, world: int, root: str) -> dict:
 
 
 @pytest.fixture(scope="module")
-def layouts(tmp_path_factory) -> tuple[dict, dict, str]:
+def layouts(tmp_path_factory) -> tuple[dict, dict, str, list[dict]]:
     root = str(tmp_path_factory.mktemp("tp-checkpoints"))
     four = run_local(world4, 4, root, timeout_s=900)[0]
-    two = run_local(world2, 2, root, timeout_s=900)[0]
-    return four, two, root
+    two_ranks = run_local(world2, 2, root, timeout_s=900)
+    return four, two_ranks[0], root, two_ranks
 
 
 def _same(a: dict, b: dict, keys=None) -> None:
@@ -119,7 +158,7 @@ def _same(a: dict, b: dict, keys=None) -> None:
 
 
 def test_dp2_tp2_checkpoint_resumes_without_tp_and_back(layouts):
-    four, _, _ = layouts
+    four, _, _, _ = layouts
     _same(four["saved-2x2"], four["2x2->dp4"])
     assert four["2x2->dp4"]["step"] == 1
     _same(four["saved-dp4"], four["dp4->2x2"])
@@ -127,14 +166,14 @@ def test_dp2_tp2_checkpoint_resumes_without_tp_and_back(layouts):
 
 
 def test_dp2_tp2_checkpoint_resumes_at_dp1_tp2(layouts):
-    four, two, _ = layouts
+    four, two, _, _ = layouts
     _same(four["saved-2x2"], two["2x2->1x2"])
 
 
 def test_tp_checkpoints_load_in_one_process(layouts):
     import graphshard.checkpoint as ckpt
 
-    four, two, root = layouts
+    four, two, root, _ = layouts
     for name, saved in (("2x2", four["saved-2x2"]), ("1x2", two["saved-1x2"])):
         model = build("llama")
         optimizer = _adamw(model)
@@ -143,6 +182,38 @@ def test_tp_checkpoints_load_in_one_process(layouts):
 
 
 def test_tp_checkpoint_exports_and_loads_back_with_load_pretrained(layouts):
-    four, two, _ = layouts
+    four, two, _, _ = layouts
     params = [k for k in four["saved-2x2"] if k.startswith("param/")]
     _same(four["saved-2x2"], two["pretrained-1x2"], params)
+
+
+def test_every_rank_starts_from_rank_0s_model_tp_ranks_too(layouts):
+    """Ranks seeded apart: after shard() the TP ranks hold one model, rank 0's (real weights,
+    and weights materialised from the meta device with rank 0's RNG)."""
+    *_, ranks = layouts
+    for name in ("seeded-apart", "seeded-apart-meta"):
+        first, second = ranks[0][name], ranks[1][name]
+        # what the plan leaves replicated over tp: the norm, the row-parallel bias, the buffer
+        for param in ("norm.weight", "norm.bias", "down.bias"):
+            assert torch.equal(first["local"][param], second["local"][param]), (name, param)
+        assert torch.equal(first["buffer"], second["buffer"]), name
+    torch.manual_seed(100)  # rank 0's seed: its model, built whole
+    whole = Seeded()
+    torch.manual_seed(100)  # and initialised from the meta device as materialize does
+    with torch.device("meta"):
+        materialised = Seeded()
+    materialised.to_empty(device="cpu")
+    for module in (materialised.up, materialised.norm, materialised.down):
+        module.reset_parameters()
+    for name, model in (("seeded-apart", whole), ("seeded-apart-meta", materialised)):
+        for param, value in model.named_parameters():
+            assert torch.equal(ranks[0][name]["full"][param], value.detach()), (name, param)
+
+
+def test_in_place_edits_through_attributes_reach_tp_shards(layouts):
+    *_, ranks = layouts
+    before, after = ranks[0]["seeded-apart"]["full"], ranks[0]["seeded-apart"]["edited"]
+    assert torch.equal(after["up.weight"], torch.zeros_like(before["up.weight"]))
+    assert torch.equal(after["up.bias"], torch.full_like(before["up.bias"], 2.0))
+    assert torch.equal(after["down.weight"][0], torch.full_like(before["down.weight"][0], 3.0))
+    assert torch.equal(after["down.weight"][1:], before["down.weight"][1:])

@@ -14,7 +14,8 @@ import torch.nn as nn
 from graphshard._torch_compat import (run_eagerly_when_called_from_eager_code, tree_leaves,
                                       tree_map_only, version_counter, wrapper_tensor,
                                       written_arguments)
-from graphshard.runtime.parts import dtensor_part
+from graphshard.runtime.parts import data_parallel_part, dtensor_part
+from graphshard.state import module_shards
 
 
 def eager_when_not_inlined(fn: Callable) -> Callable:
@@ -120,10 +121,13 @@ class GatheredWeight(torch.Tensor):
                 "which cannot be written back exactly. Edit the parameter itself: "
                 f"module._parameters[{self._attr!r}] (a DTensor; nn.init and in-place ops work on "
                 "it), or load weights with load_state_dict.")
-        if root._full.shape != param.shape:  # t_(), resize_(), squeeze_() on the read
+        # a TP parameter's read is its TP piece; graphshard's shard is cut from that
+        tensor_parallel = module_shards(self._module).tensor_parallel.get(self._attr)
+        shape = param.shape if tensor_parallel is None else tensor_parallel.piece_shape()
+        if root._full.shape != shape:  # t_(), resize_(), squeeze_() on the read
             raise ValueError(
                 f"graphshard: {where} was reshaped in place to {tuple(root._full.shape)}; a "
-                f"sharded parameter keeps its shape {tuple(param.shape)}. Assign a new "
+                f"sharded parameter keeps its shape {tuple(shape)}. Assign a new "
                 f"parameter instead (module.{self._attr} = nn.Parameter(...), the same on every "
                 "rank), or reshape before graphshard.shard.")
         if version_counter(param) != root._param_version:
@@ -133,7 +137,10 @@ class GatheredWeight(torch.Tensor):
                 f"read): writing it back would undo that change. Read {self._attr} again, "
                 "after the change, and edit that.")
         with torch.no_grad():
-            param.copy_(dtensor_part(root._full, param, own_storage=False))
+            if tensor_parallel is None:
+                param.copy_(dtensor_part(root._full, param, own_storage=False))
+            else:
+                param.copy_(data_parallel_part(root._full, param, tensor_parallel.mesh.ndim))
         root._param_version = version_counter(param)
 
     @classmethod

@@ -51,6 +51,19 @@ def this_rank_part(full: torch.Tensor, param: nn.Parameter) -> torch.Tensor:
     return part.to(torch.device(mesh.device_type) if local.is_meta else local.device)
 
 
+def data_parallel_part(piece: torch.Tensor, param: nn.Parameter, tp_ndim: int) -> DTensor:
+    """This rank's shard of its TP piece `piece` (what a TP parameter's read gathers) as a
+    DTensor laid out like `param`: only the data-parallel dims' cuts, innermost first."""
+    mesh = param.device_mesh
+    part = piece.detach()
+    for mesh_dim in reversed(range(mesh.ndim - tp_ndim)):
+        dim = cut_dim(param.placements[mesh_dim])
+        if dim is not None:
+            part = local_slice(part, dim, mesh.get_local_rank(mesh_dim), mesh.size(mesh_dim))
+    return DTensor.from_local(part, mesh, param.placements, run_check=False, shape=param.shape,
+                              stride=param.stride())
+
+
 def local_slice(full: torch.Tensor, dim: int, coordinate: int, size: int) -> torch.Tensor:
     """local_dim0_slice along `dim`."""
     if dim == 0:

@@ -86,10 +86,8 @@ def capture_job(job: tuple) -> dict[Knobs, Probe] | str:
 def _group_links(joint, cluster, devices: int, tp: int) -> dict:
     """Each process group's link: a shard group of s contiguous ranks stays in a node when
     s <= devices per node; a replica group (stride s) spans every node of the cluster."""
-    from graphshard.passes.graph_utils import is_unshard
+    from graphshard.passes.graph_utils import collective_group, is_collective, is_unshard
     from graphshard.passes.markers import UnshardSpec
-
-    from graphshard.passes.graph_utils import collective_group, is_collective
 
     node = cluster.devices_per_node or devices
     links = {}

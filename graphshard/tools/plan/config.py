@@ -117,7 +117,6 @@ def finish(layout: Layout, knobs: Knobs, probe: Probe, *, accumulation: int, clu
     # Micro-batches after the first run with the earlier ones' gradients held.
     peak = probe.state_bytes + probe.transient_bytes + (probe.gradient_bytes if accumulation > 1 else 0)
     peak_flops = cluster.peak_flops(dtype_from_name(layout.param_dtype))
-    # `tokens` are the global batch's: each TP group of layout.tp devices trains its share
     limit = cluster.device_memory_bytes
     fits = limit is None or peak <= limit
     why = "" if fits else f"needs {human_bytes(peak)} per device > {human_bytes(limit)}"

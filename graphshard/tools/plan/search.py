@@ -13,7 +13,7 @@ from graphshard.tools.plan.capture import capture_job, capture_probes
 from graphshard.tools.plan.config import Config, finish
 from graphshard.tools.plan.pool import capture_pool
 from graphshard.tools.plan.space import (KNOBS, TP_DEGREES, Knobs, Layout, PlanError, layouts,
-                                         tp_degrees)
+                                         rank_batch, tp_degrees)
 from graphshard.tools.plan.target import at_depth, check_factory_takes_shape, depth_probes
 
 
@@ -35,7 +35,7 @@ def predict(target: str, devices: int, cluster, global_batch: int, seq: int, lay
     captured = [capture_probes(target, layout, devices, seq, n, (knob,), cluster, model_args)
                 for n in probe_sizes]
     return finish(layout, knobs, at_depth(captured, probe_sizes, depth, knob),
-                  accumulation=global_batch * layout.tp // devices // layout.micro_batch,
+                  accumulation=rank_batch(global_batch, devices, layout.tp) // layout.micro_batch,
                   cluster=cluster,
                   devices=devices, tokens=global_batch * seq)
 
@@ -47,9 +47,8 @@ def check_plan_input(devices: int, cluster, global_batch: int) -> None:
     if node and devices > node and devices % node:
         raise PlanError(f"--devices {devices} is not a whole number of nodes of {node} devices: "
                         f"use at most {node} or a multiple of {node}")
-    if global_batch < 1 or global_batch % devices:
-        raise PlanError(f"--global-batch {global_batch} must be a positive multiple of --devices "
-                        f"{devices} (every device trains an equal share)")
+    if global_batch < 1:
+        raise PlanError(f"--global-batch must be at least 1, got {global_batch}")
 
 
 def plan(target: str, devices: int, cluster, global_batch: int, seq: int, *,
@@ -64,12 +63,18 @@ def plan(target: str, devices: int, cluster, global_batch: int, seq: int, *,
     depth, probe_sizes = depth_probes(target, model_args)
     if depth is None:
         ac_modes = ("none",)  # no repeated blocks to checkpoint
-    local_batch = global_batch // devices
     tokens = global_batch * seq
-    tp_sizes = tp_degrees(devices, cluster.devices_per_node, local_batch, tp_sizes)
-    candidates = layouts(devices, cluster.devices_per_node, local_batch, ac_modes, dtypes,
+    wanted = tp_sizes
+    tp_sizes = tp_degrees(devices, cluster.devices_per_node, global_batch, wanted)
+    if not tp_sizes:
+        raise PlanError(
+            f"--global-batch {global_batch} divides over no data-parallel size of {devices} "
+            f"devices with TP degrees {list(wanted)} (each data-parallel rank, devices / tp of "
+            "them, trains an equal share): use a multiple of the device count")
+    candidates = layouts(devices, cluster.devices_per_node, global_batch, ac_modes, dtypes,
                          tp_sizes)
     configs: list[Config] = []
+    skipped: list[str] = []  # why a layout could not be captured (its TP degree)
     started = time.perf_counter()
     jobs = [(target, layout, devices, seq, n, tuple(knobs), cluster, model_args)
             for layout in candidates for n in probe_sizes]
@@ -83,11 +88,12 @@ def plan(target: str, devices: int, cluster, global_batch: int, seq: int, *,
             unsplittable = next((c for c in captured if isinstance(c, str)), None)
             if unsplittable is not None:
                 progress(f"{done} skipped: {unsplittable}")
+                skipped.append(unsplittable)
                 continue
             progress(f"{done} done: {layout}")
             at = functools.partial(at_depth, captured, probe_sizes, depth)
-            rank_batch = local_batch * layout.tp  # a data-parallel rank's share
-            finish_layout = functools.partial(finish, accumulation=rank_batch // layout.micro_batch,
+            share = rank_batch(global_batch, devices, layout.tp)  # a data-parallel rank's
+            finish_layout = functools.partial(finish, accumulation=share // layout.micro_batch,
                                               cluster=cluster, devices=devices, tokens=tokens)
             for knob in knobs:
                 configs.append(finish_layout(layout, knob, at(knob)))
@@ -96,5 +102,7 @@ def plan(target: str, devices: int, cluster, global_batch: int, seq: int, *,
                                        cluster.device_memory_bytes)
                     if auto is not None:
                         configs.append(auto)
+    if not configs:
+        raise PlanError(f"{target}: no layout could be captured: {skipped[0]}")
     configs.sort(key=lambda c: (not c.fits, c.step_s if c.fits else c.peak_memory_bytes))
     return configs

@@ -54,18 +54,23 @@ def micro_batches(local_batch: int) -> list[int]:
 TP_DEGREES = (1, 2, 4, 8)
 
 
-def tp_degrees(devices: int, devices_per_node: int | None, local_batch: int,
+def tp_degrees(devices: int, devices_per_node: int | None, global_batch: int,
                wanted: Sequence[int] = TP_DEGREES) -> list[int]:
-    """The TP degrees that fit: within a node, dividing the devices."""
+    """The TP degrees that fit: within a node, dividing the devices, and leaving a
+    data-parallel size (devices / tp) that divides the global batch."""
     node = devices_per_node or devices
-    return [tp for tp in wanted if tp <= node and node % tp == 0 and devices % tp == 0]
+    return [tp for tp in wanted if tp <= node and node % tp == 0 and devices % tp == 0
+            and global_batch % (devices // tp) == 0]
 
 
-def layouts(devices: int, devices_per_node: int | None, local_batch: int,
+def rank_batch(global_batch: int, devices: int, tp: int) -> int:
+    """What one data-parallel rank (a TP group of tp devices) trains per step."""
+    return global_batch // (devices // tp)
+
+
+def layouts(devices: int, devices_per_node: int | None, global_batch: int,
             ac_modes: Sequence[str], dtypes: Sequence[str],
             tp_sizes: Sequence[int] = (1,)) -> list[Layout]:
-    """`local_batch`: the global batch over `devices` (a data-parallel rank of a TP group of
-    tp trains tp times that)."""
     node = devices_per_node or devices
     found = []
     for tp in tp_sizes:
@@ -74,5 +79,6 @@ def layouts(devices: int, devices_per_node: int | None, local_batch: int,
             ("hybrid_shard", s) for s in shard_group_sizes(data_parallel, node // tp)]
         found += [Layout(strategy, size, ac, dtype, micro, tp)
                   for (strategy, size), ac, dtype, micro in itertools.product(
-                      strategies, ac_modes, dtypes, micro_batches(local_batch * tp))]
+                      strategies, ac_modes, dtypes,
+                      micro_batches(rank_batch(global_batch, devices, tp)))]
     return found
