@@ -410,24 +410,21 @@ def rnn_weight_cache_overrides(read_weights: Callable) -> dict[str, Any]:
 
 
 def root_mesh(mesh):
-    """The DeviceMesh `mesh` was sliced from (itself if it was not). Public replacement: none
-    (DeviceMesh exposes its parent only through this private accessor)."""
+    """The DeviceMesh `mesh` was sliced from (itself if not). Public replacement: none."""
     return mesh._get_root_mesh()
 
 
 def strided_shard(dim: int, split_factor: int):
-    """The placement of a data-parallel cut of a piece that TP already cut on the same dim
-    (FSDP2 + TP's layout). Public replacement: none (`_StridedShard` is DTensor's own)."""
+    """A data-parallel cut of a TP piece cut on the same dim (FSDP2 + TP's layout). Public
+    replacement: none."""
     from torch.distributed.tensor.placement_types import _StridedShard
 
     return _StridedShard(dim, split_factor=split_factor)
 
 
 def clear_dtensor_caches() -> None:
-    """Forget DTensor's sharding-propagation results. They are keyed by DeviceMesh equality
-    (ranks and names, not process groups), so after a fake process group is destroyed and a new
-    one made (dump and plan, one cluster after another in one process) a cached result would
-    hand back a mesh of the dead group, and its collectives a dead group name. Public
+    """Forget DTensor's sharding results, keyed by mesh equality (ranks, names: not groups):
+    after a fake process group is remade (dump, plan) they would name dead groups. Public
     replacement: none."""
     from torch.distributed.tensor import DTensor
     from torch.distributed.tensor._redistribute import _gen_transform_infos
@@ -440,8 +437,7 @@ def clear_dtensor_caches() -> None:
 
 
 def is_strided_shard(placement) -> bool:
-    """Whether `placement` is DTensor's `_StridedShard` (not a Shard subclass, nor is_shard()).
-    Public replacement: none."""
+    """Whether `placement` is a `_StridedShard` (not is_shard()). Public replacement: none."""
     from torch.distributed.tensor.placement_types import _StridedShard
 
     return isinstance(placement, _StridedShard)
