@@ -1,22 +1,28 @@
 """`python -m graphshard.bench.compile_time`: time to the first training step, cold and warm caches.
 
-    python -m graphshard.bench.compile_time --model transformer --nproc 2 --repeats 3
+    python -m graphshard.bench.compile_time --model transformer --nproc 1,2,4 --repeats 1
 
-For each method, a fresh launch of `--nproc` local processes builds the model, compiles it and
-runs one training step (forward, backward, fused AdamW); the time measured on each rank runs
-from just before `torch.compile` to the end of that step (interpreter start, imports and model
-construction excluded), and the slowest rank's counts. Cold: a new, empty Inductor cache
-directory. Warm: the very same launch again on the cache the cold one filled (a job restart on
-unchanged code). Methods:
+For each method and world size, a fresh launch of `--nproc` local processes builds the model,
+compiles it and runs one training step (forward, backward, fused AdamW); the time measured on
+each rank runs from just before `torch.compile` to the end of that step (interpreter start,
+imports and model construction excluded): the slowest rank's wall time, and the CPU seconds of
+all ranks together (each rank's own and its compile workers'). Cold: a new, empty Inductor
+cache directory. Warm: the very same launch again on the cache the cold one filled (a job
+restart on unchanged code). Methods:
 
 - torch_compile: plain `torch.compile(model)` of the unsharded model, every rank alone (the
-  bar graphshard is held to: at most 1.3x warm, 1.5x cold);
-- graphshard: `graphshard.shard(model)` + `torch.compile(model, backend="graphshard")`.
+  bar graphshard is held to);
+- graphshard: `graphshard.shard(model)` + `torch.compile(model, backend="graphshard")`, default
+  options (on gloo, the all-to-all transports: each rank compiles its own graphs);
+- graphshard_native: the same with all_gather="native", reduce_scatter="native" (the NCCL
+  path's collectives): rank-invariant graphs, so one rank per host compiles and the others load
+  its result from the compile caches.
 
 Rounds interleave the methods (cold then warm for each), so load on a shared machine affects
 each alike; the table shows the median and the range over rounds, and the warm run's hit and
 miss counts of AOTAutograd's cache (the whole compiled step: traced, partitioned, graphshard's
-passes run) and of Inductor's FX graph cache (each compiled graph), from Dynamo's counters.
+passes run) and of Inductor's FX graph cache (each compiled graph), from Dynamo's counters, of
+rank 0.
 """
 
 from __future__ import annotations
@@ -24,6 +30,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import resource
 import statistics
 import tempfile
 import time
@@ -31,11 +38,13 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+from tabulate import tabulate
 
 from graphshard.bench.workload import build_workload
 from graphshard.tools.arguments import parse_model_args
 
-METHODS = ("torch_compile", "graphshard")
+METHODS = {"torch_compile": None, "graphshard": None,
+           "graphshard_native": {"all_gather": "native", "reduce_scatter": "native"}}
 CACHE_COUNTERS = (("aot_autograd", "autograd_cache_hit"), ("aot_autograd", "autograd_cache_miss"),
                   ("inductor", "fxgraph_cache_hit"), ("inductor", "fxgraph_cache_miss"))
 
@@ -48,8 +57,44 @@ class CompileBenchConfig:
     seq: int = 32
 
 
+def cpu_seconds() -> float:
+    """CPU seconds of this process, its reaped children and its live descendants (Inductor's
+    compile workers live as long as the process)."""
+    own = resource.getrusage(resource.RUSAGE_SELF)
+    reaped = resource.getrusage(resource.RUSAGE_CHILDREN)
+    total = own.ru_utime + own.ru_stime + reaped.ru_utime + reaped.ru_stime
+    return total + sum(_process_cpu(pid) for pid in _descendants(os.getpid()))
+
+
+def _descendants(root: int) -> list[int]:
+    children: dict[int, list[int]] = {}
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/stat") as f:
+                    ppid = int(f.read().rsplit(")", 1)[1].split()[1])
+            except (OSError, IndexError, ValueError):
+                continue  # exited meanwhile
+            children.setdefault(ppid, []).append(int(entry))
+    found, stack = [], [root]
+    while stack:
+        for child in children.get(stack.pop(), []):
+            found.append(child)
+            stack.append(child)
+    return found
+
+
+def _process_cpu(pid: int) -> float:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+    except OSError:
+        return 0.0
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")  # utime + stime
+
+
 def first_step(rank: int, world: int, cfg: CompileBenchConfig, method: str, cache_dir: str) -> dict:
-    """One rank: build, compile, one step; seconds from compile to the step's end."""
+    """One rank: build, compile, one step; wall and CPU seconds from compile to the step's end."""
     os.environ["TORCHINDUCTOR_CACHE_DIR"] = cache_dir  # Inductor reads it at each compile
     import graphshard
     from graphshard._torch_compat import compile_counters
@@ -58,48 +103,53 @@ def first_step(rank: int, world: int, cfg: CompileBenchConfig, method: str, cach
     workload = build_workload(cfg.model, cfg.batch, cfg.seq, 0, dict(cfg.model_args))
     inputs = workload.local_inputs(rank, world)
     model = workload.model
-    start = time.perf_counter()
-    if method == "graphshard":
-        model = torch.compile(graphshard.shard(model), backend="graphshard")
-    else:
+    start, start_cpu = time.perf_counter(), cpu_seconds()
+    if method == "torch_compile":
         model = torch.compile(model)
+    else:
+        model = torch.compile(graphshard.shard(model), backend="graphshard",
+                              options=METHODS[method])
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3, fused=True)
     workload.loss_fn(model(*inputs), *inputs).backward()
     optimizer.step()
     counters = compile_counters()
-    return {"seconds": time.perf_counter() - start,
+    return {"seconds": time.perf_counter() - start, "cpu_seconds": cpu_seconds() - start_cpu,
             "cache": tuple(counters[kind][key] for kind, key in CACHE_COUNTERS)}
 
 
-def measure(cfg: CompileBenchConfig, nproc: int, repeats: int) -> dict[str, dict[str, list]]:
+def measure(cfg: CompileBenchConfig, nprocs: list[int], repeats: int, methods: list[str]
+            ) -> dict[str, dict[str, list]]:
+    """{"method/world size": {"cold": [s], "cold_cpu": [s], "warm": ..., "warm_cache": ...}}"""
     from graphshard.tools.launch import run_local
 
-    results: dict[str, dict[str, list]] = {m: {"cold": [], "warm": [], "warm_cache": []}
-                                           for m in METHODS}
+    results: dict[str, dict[str, list]] = {}
     for round_index in range(repeats):
-        order = METHODS if round_index % 2 == 0 else tuple(reversed(METHODS))
-        for method in order:
-            with tempfile.TemporaryDirectory(prefix="graphshard-compile-bench-") as cache:
-                for kind in ("cold", "warm"):
-                    ranks = run_local(first_step, nproc, cfg, method, cache, timeout_s=900)
-                    results[method][kind].append(max(r["seconds"] for r in ranks))
-                    if kind == "warm":
-                        results[method]["warm_cache"].append(ranks[0]["cache"])
+        order = methods if round_index % 2 == 0 else list(reversed(methods))
+        for nproc in nprocs:
+            for method in order:
+                row = results.setdefault(f"{method}/{nproc}", {})
+                with tempfile.TemporaryDirectory(prefix="graphshard-compile-bench-") as cache:
+                    for kind in ("cold", "warm"):
+                        ranks = run_local(first_step, nproc, cfg, method, cache, timeout_s=900)
+                        row.setdefault(kind, []).append(max(r["seconds"] for r in ranks))
+                        row.setdefault(f"{kind}_cpu", []).append(sum(r["cpu_seconds"] for r in ranks))
+                        row.setdefault(f"{kind}_cache", []).append(ranks[0]["cache"])
     return results
 
 
 def summarize(results: dict[str, dict[str, list]]) -> dict[str, dict[str, Any]]:
     summary = {}
-    for method, by_kind in results.items():
-        summary[method] = {kind: {"median_s": statistics.median(v), "min_s": min(v), "max_s": max(v)}
-                           for kind, v in by_kind.items() if kind != "warm_cache"}
-        summary[method]["warm_cache"] = dict(zip((key for _, key in CACHE_COUNTERS),
-                                                 by_kind["warm_cache"][-1]))
-    base = summary["torch_compile"]
-    for method in METHODS:
-        for kind in ("cold", "warm"):
-            summary[method][kind]["vs_torch_compile"] = (
-                summary[method][kind]["median_s"] / base[kind]["median_s"])
+    for row, by_kind in results.items():
+        summary[row] = {kind: {"median_s": statistics.median(v), "min_s": min(v), "max_s": max(v)}
+                        for kind, v in by_kind.items() if not kind.endswith("_cache")}
+        summary[row]["warm_cache"] = dict(zip((key for _, key in CACHE_COUNTERS),
+                                              by_kind["warm_cache"][-1]))
+    for row in summary:  # CPU seconds against the same method at world size 1
+        method = row.split("/")[0]
+        alone = summary.get(f"{method}/1")
+        for kind in ("cold_cpu", "warm_cpu"):
+            summary[row][kind]["vs_world_1"] = (summary[row][kind]["median_s"]
+                                                / alone[kind]["median_s"] if alone else None)
     return summary
 
 
@@ -108,27 +158,33 @@ def main(argv: list[str] | None = None) -> int:
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default="transformer")
     p.add_argument("--model-args", type=parse_model_args, default=(), metavar="K=V,...")
-    p.add_argument("--nproc", type=int, default=2)
+    p.add_argument("--nproc", default="1,2,4", help="world sizes, comma-separated")
+    p.add_argument("--methods", default=",".join(METHODS), help="comma-separated: " + ", ".join(METHODS))
     p.add_argument("--batch", type=int, default=8, help="global batch")
     p.add_argument("--seq", type=int, default=32)
-    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--repeats", type=int, default=1)
     p.add_argument("--json", help="write the raw times and the summary here")
     args = p.parse_args(argv)
+    methods = args.methods.split(",")
+    unknown = sorted(set(methods) - set(METHODS))
+    if unknown:
+        p.error(f"unknown method(s) {unknown}; known: {', '.join(METHODS)}")
+    nprocs = [int(n) for n in args.nproc.split(",")]
     cfg = CompileBenchConfig(args.model, args.model_args, args.batch, args.seq)
-    results = measure(cfg, args.nproc, args.repeats)
-    summary = summarize(results)
-    print(f"time to first step: {cfg.model} at world size {args.nproc}, batch {cfg.batch}, "
-          f"seq {cfg.seq}, median [min-max] of {args.repeats} rounds, slowest rank")
-    print(f"{'method':<14} {'cold s':>20} {'warm s':>20} {'cold x':>7} {'warm x':>7} "
-          f"{'warm AOT cache hit/miss':>24} {'warm FX cache hit/miss':>23}")
-    for method in METHODS:
-        row = summary[method]
-        cells = [f"{row[k]['median_s']:6.1f} [{row[k]['min_s']:.1f}-{row[k]['max_s']:.1f}]"
-                 for k in ("cold", "warm")]
-        aot_hit, aot_miss, fx_hit, fx_miss = row["warm_cache"].values()
-        print(f"{method:<14} {cells[0]:>20} {cells[1]:>20} {row['cold']['vs_torch_compile']:7.2f} "
-              f"{row['warm']['vs_torch_compile']:7.2f} {f'{aot_hit}/{aot_miss}':>24} "
-              f"{f'{fx_hit}/{fx_miss}':>23}")
+    summary = summarize(results := measure(cfg, nprocs, args.repeats, methods))
+    print(f"time to first step: {cfg.model}, batch {cfg.batch}, seq {cfg.seq}, median [min-max] "
+          f"of {args.repeats} round(s); wall: the slowest rank; CPU: all ranks together")
+    rows = []
+    for row, r in summary.items():
+        method, nproc = row.split("/")
+        cell = lambda k: f"{r[k]['median_s']:.1f} [{r[k]['min_s']:.1f}-{r[k]['max_s']:.1f}]"  # noqa: E731
+        ratio = lambda k: "" if r[k]["vs_world_1"] is None else f"{r[k]['vs_world_1']:.2f}"  # noqa: E731
+        aot_hit, aot_miss, fx_hit, fx_miss = r["warm_cache"].values()
+        rows.append((method, nproc, cell("cold"), cell("cold_cpu"), ratio("cold_cpu"), cell("warm"),
+                     cell("warm_cpu"), ratio("warm_cpu"), f"{aot_hit}/{aot_miss}", f"{fx_hit}/{fx_miss}"))
+    print(tabulate(rows, headers=["method", "world", "cold wall s", "cold CPU s", "CPU x world 1",
+                                  "warm wall s", "warm CPU s", "CPU x world 1",
+                                  "warm AOT hit/miss", "warm FX hit/miss"]))
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"config": vars(args) | {"model_args": dict(args.model_args)},

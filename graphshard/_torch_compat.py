@@ -257,6 +257,24 @@ def backward_compiled_with_forward():
     return functorch_config.patch(force_non_lazy_backward_lowering=True)
 
 
+def compile_cache_dir() -> str:
+    """The directory Inductor's and AOTAutograd's local caches live in (TORCHINDUCTOR_CACHE_DIR,
+    or torch's default under the temporary directory). Public replacement: none."""
+    from torch._inductor.runtime.cache_dir_utils import cache_dir
+
+    return cache_dir()
+
+
+def compile_caches_enabled() -> bool:
+    """Whether a compile can be served from AOTAutograd's and Inductor's local caches (both on,
+    not force-disabled). Public replacement: none (torch._functorch / torch._inductor config)."""
+    import torch._functorch.config as functorch_config
+    import torch._inductor.config as inductor_config
+
+    return (functorch_config.enable_autograd_cache and inductor_config.fx_graph_cache
+            and not torch.compiler.config.force_disable_caches)
+
+
 def compile_counters() -> dict:
     """Dynamo/Inductor/AOTAutograd counters (graphs, graph breaks, cache hits and misses) for the
     bench. Public replacement: none (torch._dynamo.utils.counters)."""

@@ -64,7 +64,7 @@ class TensorParallelLayout:
 def layout_of(param: DTensor, fqn: str, dp_mesh: DeviceMesh) -> TensorParallelLayout:
     """`param`'s TP layout, after checking that it composes with sharding over `dp_mesh`."""
     tp_mesh = param.device_mesh
-    _check_sibling_meshes(fqn, tp_mesh, dp_mesh)
+    _check_sibling_meshes(fqn, param, dp_mesh)
     for d, placement in enumerate(param.placements):
         if type(placement) is Shard:
             size, parts = param.shape[placement.dim], tp_mesh.size(d)
@@ -105,13 +105,16 @@ def one_tensor_parallel_mesh(layouts: dict, names: dict[int, str]) -> DeviceMesh
     return next(iter(meshes.values()))[0] if meshes else None
 
 
-def _check_sibling_meshes(fqn: str, tp_mesh: DeviceMesh, dp_mesh: DeviceMesh) -> None:
+def _check_sibling_meshes(fqn: str, param: DTensor, dp_mesh: DeviceMesh) -> None:
+    tp_mesh = param.device_mesh
     recipe = ("build both from one mesh, e.g. mesh = init_device_mesh(device, (dp, tp), "
               "mesh_dim_names=('dp', 'tp')), parallelise on mesh['tp'] and call "
               "graphshard.shard(model, mesh['dp'])")
     if tp_mesh.mesh_dim_names is None or dp_mesh.mesh_dim_names is None:
-        raise ValueError(f"graphshard.shard: parameter {fqn!r} is a DTensor on a mesh without "
-                         f"dimension names, or the data-parallel mesh has none: {recipe}")
+        raise ValueError(f"graphshard.shard: parameter {fqn!r} is already a DTensor "
+                         f"({tuple(param.placements)} on {tp_mesh}); graphshard composes with a "
+                         "TP plan only on named meshes, and this mesh or the data-parallel mesh "
+                         f"has no dimension names: {recipe}")
     root = compat.root_mesh(dp_mesh)
     names = root.mesh_dim_names
     if not set(dp_mesh.mesh_dim_names) <= set(names):

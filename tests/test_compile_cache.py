@@ -71,3 +71,80 @@ def test_second_run_is_served_from_the_compile_caches(tmp_path):
     assert not torch.equal(firsts[0]["grads"], firsts[1]["grads"])  # the ranks' shards differ
     for other in others:
         assert (other["autograd_cache_hit"], other["autograd_cache_miss"]) == (0, 1), other
+
+
+class _EvenMLP(torch.nn.Module):
+    """Every width divisible by 2: each rank's shards have one shape, so ranks compile alike."""
+
+    def __init__(self):
+        super().__init__()
+        self.emb = torch.nn.Embedding(16, 8)
+        self.blocks = torch.nn.ModuleList(
+            torch.nn.Sequential(torch.nn.LayerNorm(8), torch.nn.Linear(8, 32), torch.nn.GELU(),
+                                torch.nn.Linear(32, 8)) for _ in range(2))
+        self.head = torch.nn.Linear(8, 16, bias=False)
+
+    def forward(self, tokens):
+        h = self.emb(tokens)
+        for block in self.blocks:
+            h = h + block(h)
+        return self.head(h)
+
+
+NATIVE = {"all_gather": "native", "reduce_scatter": "native"}  # the NCCL path's collectives
+
+
+def _host_compiles(rank: int, world: int, cache_dir: str) -> list[dict]:
+    """Per option set, in its own cold cache directory: a fresh model compiled and stepped
+    twice (fused AdamW); the losses, the final parameters and the cache counters."""
+    import graphshard
+    from torch._dynamo.utils import counters
+
+    results = []
+    for name, options in (("once", NATIVE), ("every_rank", NATIVE | {"compile_once_per_host": False}),
+                          ("all_to_all", None)):
+        os.environ["TORCHINDUCTOR_CACHE_DIR"] = os.path.join(cache_dir, name)
+        torch._dynamo.reset()
+        before = {key: counters[kind][key] for kind, key in COUNTERS}
+        torch.manual_seed(0)
+        model = graphshard.shard(_EvenMLP())
+        compiled = torch.compile(model, backend="graphshard", fullgraph=True, options=options)
+        optimizer = torch.optim.AdamW(model.parameters(), lr=0.01, fused=True)
+        tokens = torch.randint(0, 16, (4, 8), generator=torch.Generator().manual_seed(rank))
+        losses = []
+        for _ in range(2):
+            logits = compiled(tokens)
+            loss = torch.nn.functional.cross_entropy(logits.flatten(0, 1), tokens.flatten())
+            loss.backward()
+            optimizer.step()
+            optimizer.zero_grad()
+            losses.append(loss.item())
+        params = {n: p.full_tensor() for n, p in model.named_parameters()}
+        results.append({"name": name, "losses": losses, "params": params}
+                       | {key: counters[kind][key] - before[key] for kind, key in COUNTERS})
+    return results
+
+
+@pytest.mark.slow
+def test_one_rank_per_host_compiles_and_the_others_load_its_result(tmp_path):
+    ranks = run_local(_host_compiles, 2, str(tmp_path))
+    runs = {name: [results[i] for results in ranks]
+            for i, name in enumerate(("once", "every_rank", "all_to_all"))}
+    # One compile per host: one rank compiled the step (AOTAutograd and Inductor missed), the
+    # other waited for it and loaded the whole step from AOTAutograd's cache.
+    once = sorted(runs["once"], key=lambda r: r["autograd_cache_hit"])
+    assert (once[0]["autograd_cache_miss"], once[0]["autograd_cache_hit"]) == (1, 0), once[0]
+    assert once[0]["fxgraph_cache_miss"] >= 2, once[0]  # forward and backward
+    assert (once[1]["autograd_cache_hit"], once[1]["autograd_cache_miss"]) == (1, 0), once[1]
+    assert once[1]["fxgraph_cache_miss"] == 0, once[1]
+    # Compiling on every rank (the option off; the all-to-all transports, whose graphs name the
+    # rank's place in the group) misses on both ranks.
+    for name in ("every_rank", "all_to_all"):
+        for run in runs[name]:
+            assert (run["autograd_cache_hit"], run["autograd_cache_miss"]) == (0, 1), (name, run)
+    # What the loaded rank computes is what compiling on every rank computes, bit for bit.
+    for loaded, own in zip(runs["once"], runs["every_rank"]):
+        assert loaded["losses"] == own["losses"]
+        for name, value in own["params"].items():
+            torch.testing.assert_close(loaded["params"][name], value, atol=0, rtol=0)
+    assert runs["once"][0]["losses"] != runs["once"][1]["losses"]  # the ranks' batches differ

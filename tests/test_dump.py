@@ -278,6 +278,10 @@ def test_collectives_carried_by_all_to_all_are_reported_as_what_they_do(capsys, 
     assert [(c["graph"], c["op"], c["params"], c["bytes"], c["group_size"])
             for c in exchanged["collectives"]] == summary
     _check_schema(exchanged)
+    # The native graphs are every rank's; the exchanges keep each rank's own chunk local, so
+    # each rank compiles its own (the dump says which, and why).
+    assert native["compile"] == "once per host", native["compile"]
+    assert exchanged["compile"].startswith("per rank: the all-to-all transports"), exchanged["compile"]
 
 
 def test_a_cnn_dumps_in_a_fresh_interpreter():

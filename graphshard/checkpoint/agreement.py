@@ -11,8 +11,8 @@ from typing import Any
 
 import torch.distributed as dist
 from torch.distributed.checkpoint.api import CheckpointException
+from torch.distributed.tensor import DTensor
 
-from graphshard import _torch_compat as compat
 from graphshard.checkpoint.errors import CheckpointError
 from graphshard.state import is_sharded, shard_state
 
@@ -31,8 +31,11 @@ def check_sharded_over_the_world(model, what: str) -> None:
     never call them."""
     if not (distributed() and is_sharded(model)):
         return
-    # the mesh the data-parallel mesh was sliced from: with TP on a sibling dim, all of it
-    ranks = sorted(compat.root_mesh(shard_state(model).mesh).mesh.flatten().tolist())
+    # The ranks the parameters live on: the data-parallel mesh, and with TP the (dp, tp) mesh
+    # each parameter's DTensor spans (a sibling dim of the data-parallel one).
+    meshes = {id(p.device_mesh): p.device_mesh for p in model.parameters()
+              if isinstance(p, DTensor)} or {0: shard_state(model).mesh}
+    ranks = sorted({r for mesh in meshes.values() for r in mesh.mesh.flatten().tolist()})
     if ranks != list(range(dist.get_world_size())):
         raise CheckpointError(
             f"checkpoint.{what} needs a model sharded over every rank of the process group; "

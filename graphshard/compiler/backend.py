@@ -24,6 +24,8 @@ from graphshard.compiler.checks import (check_all_parameters_sharded,
 from graphshard.compiler.compile_cache import reuses_cache, salt_cache_key
 from graphshard.compiler.cost_model import ClusterSpec
 from graphshard.compiler.dynamo_graph import SplitContext, has_markers, split_context
+from graphshard.compiler.host_compile import (compile_once_per_host, host_compile_key,
+                                              log_per_rank_compile, per_rank_compile_reason)
 from graphshard.compiler.options import GraphshardOptions
 from graphshard.compiler.partition import partition
 from graphshard.compiler.schedule_check import check_schedule, record_served_from_cache
@@ -118,8 +120,10 @@ class GraphshardCompiler:
         compiled: list[str] = []
         compilers = {kind: self._graph_compiler(kind, split, dynamo_key, compiled)
                      for kind in ("forward", "backward", "inference")}
-        if (reuses_cache(self.options, aot_cache=self.aot_cache, observed=self.observer is not None)
-                and salt_cache_key(gm, self.options, self.cluster, split)):
+        cached = (reuses_cache(self.options, aot_cache=self.aot_cache,
+                               observed=self.observer is not None)
+                  and salt_cache_key(gm, self.options, self.cluster, split))
+        if cached:
             compilers = {kind: compat.cacheable_graph_compiler(fn) for kind, fn in compilers.items()}
         backend = compat.aot_autograd_backend(
             fw_compiler=compilers["forward"],
@@ -129,8 +133,23 @@ class GraphshardCompiler:
             decompositions=compat.inductor_decompositions(),
             keep_inference_input_mutations=True,
         )
-        with compat.fake_mode_of_inputs(example_inputs), compat.lazy_graph_modules():
-            compiled_fn = backend(gm, example_inputs)
+
+        def compile_graphs():
+            with compat.fake_mode_of_inputs(example_inputs), compat.lazy_graph_modules():
+                return backend(gm, example_inputs)
+
+        reason = per_rank_compile_reason(self.options, cached=cached,
+                                         rank_specific=bool(split.group_ranks))
+        if reason is None:
+            key = host_compile_key(gm.code, compat.cache_key_salt(gm), example_inputs)
+            # the claimant stores the whole compile, backward included, before its first step
+            with compat.backward_compiled_with_forward():
+                compiled_fn = compile_once_per_host(
+                    key, compile_graphs, announce=lambda: self.options.check_schedule
+                    and record_served_from_cache(dynamo_key))
+        else:
+            log_per_rank_compile(reason)
+            compiled_fn = compile_graphs()
         if self.options.check_schedule and not compiled:  # served by AOTAutograd's cache
             record_served_from_cache(dynamo_key)
         return compiled_fn

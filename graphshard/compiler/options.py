@@ -35,6 +35,9 @@ class GraphshardOptions:
     memory_budget_mb: float | None = None  # per-rank peak (MiB) that "auto" keeps within
     # ranks compare each compiled graph's collective sequence and raise on a mismatch
     check_schedule: bool = True
+    # ranks on one host that would compile the same graphs: one compiles, the others load its
+    # result from the host's compile caches (compile_cache.py)
+    compile_once_per_host: bool = True
 
     def __post_init__(self):
         def check(ok: bool, message: str) -> None:
@@ -46,6 +49,8 @@ class GraphshardOptions:
         check(isinstance(self.reorder, bool), f"reorder must be a bool, got {self.reorder!r}")
         check(isinstance(self.check_schedule, bool),
               f"check_schedule must be a bool, got {self.check_schedule!r}")
+        check(isinstance(self.compile_once_per_host, bool),
+              f"compile_once_per_host must be a bool, got {self.compile_once_per_host!r}")
         check(isinstance(self.overlap_within_peak, bool),
               f"overlap_within_peak must be a bool, got {self.overlap_within_peak!r}")
         check(isinstance(self.prefetch, int) and not isinstance(self.prefetch, bool)

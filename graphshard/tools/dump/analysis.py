@@ -10,6 +10,7 @@ from typing import Any, Callable, Sequence
 
 import torch
 
+from graphshard.compiler.host_compile import compile_sharing
 from graphshard.passes import meta_keys
 from graphshard.tools.dump.capture import capture
 from graphshard.tools.dump.loading import DumpError, Workload, sharded_on_fake_cluster
@@ -382,6 +383,7 @@ def dump(workload: Workload, *, world_size: int, strategy: str = "full_shard", o
                              for kind in ("forward", "backward"))),
         timing=Timing(capture_s=captured - started, total_s=time.perf_counter() - started,
                       stages_s=cap.seconds),
+        compile=compile_sharing(options, cap.final.values()),
     )
     texts = {key: text for key, text in cap.texts.items() if key[1] in stages}
     # The trace's graph order is the step's: backward starts where forward ends.

@@ -183,6 +183,8 @@ class DumpReport:
     estimate: Estimate
     graphs: FinalGraphs
     timing: Timing
+    # "once per host", or why each rank compiles its own graphs (compiler/host_compile.py)
+    compile: str = "once per host"
 
     def to_json(self) -> dict:
         """The JSON document `--json` writes: every field, nested dataclasses as objects."""
@@ -226,6 +228,7 @@ def format_report(report: DumpReport, texts: dict[tuple[str, str], str],
         f"parameters: {r.params.count} ({human(r.params.bytes)} unsharded, "
         f"{human(r.params.trainable_bytes)} trainable; "
         f"{human(r.params.local_bytes)} on rank 0)",
+        f"compile: {r.compile}",
         "",
     ]
     for stage in r.stages:

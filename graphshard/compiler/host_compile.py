@@ -1,0 +1,119 @@
+"""One compile per host: ranks on one host that would compile the same graphs let one of them
+compile, and load its result from the host's compile caches.
+
+Every rank of a job traces the same model, and where every shard has one shape and no rank's
+index is baked into the lowered graphs, they all compile identical graphs: on a host of 8 GPUs,
+8 identical compiles competing for the host's CPUs. Here the first rank to reach a Dynamo graph
+(keyed by everything AOTAutograd's cache key covers that can differ between ranks: the graph's
+code, our cache salt, the inputs' shapes, strides and dtypes, grad mode, the cache directory,
+the host)
+claims it in the default process group's store and compiles it; the others on that host wait
+until it is done, then compile too, which AOTAutograd and Inductor serve from their caches.
+
+Correctness never rests on this key: what a waiting rank loads is whatever AOTAutograd's own
+cache key (salted with ours, compile_cache.py) finds; where the entry is not there (another
+key after all, a cache turned off) it compiles as it would have, only later. No collective is
+involved, so a rank that waits cannot leave a peer blocked in one: the compile itself runs
+none (the schedule check accepts the waiting ranks through `announce`), and the claimant
+marks the key done whether its compile succeeded or failed.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import socket
+import time
+from typing import Any, Callable, Sequence
+
+import torch
+import torch.distributed as dist
+
+from graphshard import _torch_compat as compat
+from graphshard.compiler.compile_cache import reuses_cache
+from graphshard.compiler.rank_agreement import agreement_store
+from graphshard.passes import meta_keys
+
+log = logging.getLogger("graphshard")
+
+WAIT_S = 3600.0  # for the claimant's compile; past it the waiting rank compiles by itself
+_PREFIX = "graphshard/host_compile"
+
+
+def host_compile_key(code: str, salt: str, example_inputs: Sequence[Any]) -> str:
+    """What must be equal for two ranks to compile one graph (see the module docstring)."""
+    inputs = [(tuple(x.shape), tuple(x.stride()), str(x.dtype), x.requires_grad)
+              if isinstance(x, torch.Tensor) else type(x).__name__ for x in example_inputs]
+    text = repr((socket.gethostname(), compat.compile_cache_dir(), code, salt, inputs,
+                 torch.is_grad_enabled()))
+    return hashlib.sha256(text.encode()).hexdigest()[:32]
+
+
+def compile_once_per_host(key: str, compile_graphs: Callable[[], Any], *,
+                          announce: Callable[[], None] = lambda: None,
+                          wait_s: float = WAIT_S) -> Any:
+    """`compile_graphs()` on the first rank to reach `key`; on the others, once it is done.
+    `announce()` runs on a waiting rank before it waits (it tells peers it will load the
+    claimant's compile)."""
+    store = agreement_store()
+    if store is None:
+        return compile_graphs()
+    rank = str(dist.get_rank())
+    claimant = store.compare_set(f"{_PREFIX}/{key}/claim", "", rank).decode()
+    if claimant == rank:
+        log.info("graphshard: rank %s compiles graph %s for the ranks of host %s", rank,
+                 key[:8], socket.gethostname())
+        try:
+            return compile_graphs()
+        finally:
+            store.set(f"{_PREFIX}/{key}/done", "1")
+    announce()
+    done, deadline, pause = [f"{_PREFIX}/{key}/done"], time.monotonic() + wait_s, 0.01
+    while not store.check(done):
+        if time.monotonic() > deadline:
+            log.warning("graphshard: rank %s waited %.0f s for rank %s's compile of graph %s; "
+                        "compiling it itself", rank, wait_s, claimant, key[:8])
+            break
+        time.sleep(pause)
+        pause = min(2 * pause, 0.2)
+    else:
+        log.info("graphshard: rank %s loads graph %s compiled by rank %s", rank, key[:8],
+                 claimant)
+    return compile_graphs()
+
+
+def per_rank_compile_reason(options, *, cached: bool, rank_specific: bool) -> str | None:
+    """Why each rank compiles its own graphs, or None where one compile per host applies.
+    `cached`: AOTAutograd may serve this compile from its cache (compile_cache.reuses_cache);
+    `rank_specific`: the lowered graphs name the rank's place in its groups."""
+    if not options.compile_once_per_host:
+        return "compile_once_per_host=False"
+    if options.reshard_after_forward == "auto":
+        return ("reshard_after_forward='auto' agrees on its choice with the other ranks by a "
+                "collective during the compile, which a rank served from the cache would skip")
+    if options.compiler != "inductor":
+        return f"compiler={options.compiler!r} produces nothing the compile caches store"
+    if not (cached and compat.compile_caches_enabled()):
+        return "the compile caches (AOTAutograd's and Inductor's FX graph cache) are off"
+    if rank_specific:
+        return ("the all-to-all transports (the default on gloo) keep each rank's own chunk out "
+                "of the exchange, so each rank's graphs name its place in the group; "
+                "all_gather='native' and reduce_scatter='native' make them rank-invariant")
+    return None
+
+
+def log_per_rank_compile(reason: str) -> None:
+    """Say why this rank compiles by itself (in a job of several ranks; once per compile)."""
+    if agreement_store() is not None:
+        log.info("graphshard: each rank compiles its own graphs: %s", reason)
+
+
+def compile_sharing(options, graphs) -> str:
+    """What `graphshard dump` says of a job's compiles, from its final (lowered) `graphs`:
+    "once per host", or "per rank: <why>"."""
+    rank_specific = any(node.meta.get(meta_keys.OWN_CHUNK_LOCAL)
+                        for gm in graphs for node in gm.graph.nodes)
+    reason = per_rank_compile_reason(
+        options, cached=reuses_cache(options, aot_cache=True, observed=False),
+        rank_specific=rank_specific)
+    return "once per host" if reason is None else f"per rank: {reason}"
