@@ -128,6 +128,7 @@ def make_train_step(
     optimizer: torch.optim.Optimizer,
 ) -> Callable[[], torch.Tensor]:
     """The one training step every method runs; returns this rank's loss."""
+    after_optimizer_step = getattr(module, "after_optimizer_step", None)
 
     def step() -> torch.Tensor:
         with phase("forward"):
@@ -137,6 +138,8 @@ def make_train_step(
         with phase("optimizer"):
             optimizer.step()
             optimizer.zero_grad(set_to_none=True)
+            if after_optimizer_step is not None:  # FSDP2 + torchao's float8 scales
+                after_optimizer_step()
         return loss.detach()
 
     step.module = module  # what it trains (the profile reads graphshard's prediction there)

@@ -40,6 +40,10 @@ _WAIT_EVENT = "_c10d_functional::wait_tensor"
 _GLOO_PREFIX = "gloo:"
 _EXCHANGE_EVENT = "_c10d_functional::all_to_all_single"
 _FLOAT32_BYTES = 4
+# The profiler's names of the input dtypes a collective carries (bf16 and float8-as-uint8
+# gathers beside fp32 ones).
+_DTYPE_BYTES = {"float": 4, "double": 8, "c10::BFloat16": 2, "c10::Half": 2, "unsigned char": 1,
+                "c10::Float8_e4m3fn": 1, "c10::Float8_e5m2": 1, "int": 4, "long int": 8}
 
 
 @dataclass
@@ -79,27 +83,33 @@ def measured_step() -> Iterator[None]:
         yield
 
 
-def _message_bytes(kind: str, shapes: list, world_size: int) -> int:
+def _element_bytes(dtypes: list) -> int:
+    """Bytes per element of a collective's first input, as the profiler names its dtype;
+    float32 where it records none."""
+    named = [d for d in dtypes if d]
+    return _DTYPE_BYTES.get(named[0], _FLOAT32_BYTES) if named else _FLOAT32_BYTES
+
+
+def _message_bytes(kind: str, shapes: list, world_size: int, dtypes: list = ()) -> int:
     """Logical size of a collective: the full (unsharded) buffer it reads or produces.
 
     gloo records the input: a shard for all-gather (hence * world size), the full buffer for
     all-reduce and for reduce-scatter (gloo runs reduce-scatter as an all-reduce of the whole
-    buffer). The dtype is not recorded on gloo events; every method benchmarked here
-    communicates float32.
+    buffer).
     """
     numel = math.prod(shapes[0] if shapes else [])
     factor = world_size if "gather" in kind else 1
-    return numel * factor * _FLOAT32_BYTES
+    return numel * factor * _element_bytes(dtypes)
 
 
-def _exchange_bytes(shapes: list, concrete_inputs: list) -> int:
+def _exchange_bytes(shapes: list, concrete_inputs: list, dtypes: list = ()) -> int:
     """Logical size of an all-to-all: its input, counted with the rank's own chunk where the
     transport keeps that chunk local (a split of 0 for the rank itself; gloo records only what
     it sends)."""
     numel = math.prod(shapes[0])
     input_splits = concrete_inputs[2]
     sent = sum(1 for split in input_splits if split)
-    return numel * len(input_splits) // max(sent, 1) * _FLOAT32_BYTES
+    return numel * len(input_splits) // max(sent, 1) * _element_bytes(dtypes)
 
 
 def analyze(prof: profile, world_size: int, steps: int = 1) -> StepProfile:
@@ -122,9 +132,10 @@ def analyze(prof: profile, world_size: int, steps: int = 1) -> StepProfile:
             kind = name[len(_GLOO_PREFIX):]
             counts[kind] += 1
             if kind != "all_to_all":
-                sizes[kind] += _message_bytes(kind, event.shapes(), world_size)
+                sizes[kind] += _message_bytes(kind, event.shapes(), world_size, event.dtypes())
         elif name == _EXCHANGE_EVENT:  # the graph's op: its split sizes are recorded
-            sizes["all_to_all"] += _exchange_bytes(event.shapes(), event.concrete_inputs())
+            sizes["all_to_all"] += _exchange_bytes(event.shapes(), event.concrete_inputs(),
+                                                   event.dtypes())
     counts = {kind: round(count / steps) for kind, count in counts.items()}
     sizes = {kind: round(size / steps) for kind, size in sizes.items()}
     breakdown = {name: sum(e.end_ns() - e.start_ns() for e in inside

@@ -45,8 +45,11 @@ def _ddp(model: nn.Module, mesh: DeviceMesh) -> nn.Module:
     return DistributedDataParallel(model, process_group=mesh.get_group())
 
 
-def _fsdp2(model: nn.Module, mesh: DeviceMesh, compile_blocks: bool = False) -> nn.Module:
-    from torch.distributed.fsdp import fully_shard
+def _fsdp2(model: nn.Module, mesh: DeviceMesh, compile_blocks: bool = False,
+           mp_policy=None) -> nn.Module:
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    mp_policy = mp_policy or MixedPrecisionPolicy()
 
     if compile_blocks:
         # torchtitan's recipe: compile each block whole (fullgraph) and wrap the compiled
@@ -57,8 +60,8 @@ def _fsdp2(model: nn.Module, mesh: DeviceMesh, compile_blocks: bool = False) -> 
             model.set_submodule(name, torch.compile(block, fullgraph=True))
     # Per block, then the root (embeddings, final norm, output): the usual FSDP2 wrapping.
     for block in transformer_blocks(model):
-        fully_shard(block, mesh=mesh)
-    return fully_shard(model, mesh=mesh)
+        fully_shard(block, mesh=mesh, mp_policy=mp_policy)
+    return fully_shard(model, mesh=mesh, mp_policy=mp_policy)
 
 
 def _fsdp2_compiled(model: nn.Module, mesh: DeviceMesh) -> nn.Module:
@@ -83,6 +86,38 @@ def _fsdp2_tp(compile_blocks: bool) -> SetupFn:
         return _fsdp2(_parallelized(model, mesh), mesh["dp"], compile_blocks)
 
     return setup
+
+
+def _float8(model: nn.Module) -> nn.Module:
+    """torchao's float8 training with float8 all-gather on the Linears whose widths divide by
+    16 (torchao's tensorwise recipe), as docs/float8.md converts a model."""
+    try:
+        from torchao.float8 import Float8LinearConfig, convert_to_float8_training
+    except ImportError as exc:
+        raise MethodUnavailable(f"torchao not importable ({exc}): pip install -e '.[float8]'") from exc
+    convert_to_float8_training(
+        model, config=Float8LinearConfig(enable_fsdp_float8_all_gather=True),
+        module_filter_fn=lambda module, fqn: (module.in_features % 16 == 0
+                                              and module.out_features % 16 == 0))
+    if not any(type(m).__name__ == "Float8Linear" for m in model.modules()):
+        raise MethodUnavailable("no Linear of this model has widths divisible by 16")
+    return model
+
+
+BF16_PARAMS = {"param_dtype": "bfloat16", "reduce_dtype": "float32"}
+
+
+def _fsdp2_float8(model: nn.Module, mesh: DeviceMesh) -> nn.Module:
+    """FSDP2 + torchao as torchao documents it: bf16 parameters, fp32 reduction, and the
+    weights' float8 scales precomputed after each optimizer step."""
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+
+    module = _fsdp2(_float8(model), mesh, mp_policy=MixedPrecisionPolicy(
+        param_dtype=torch.bfloat16, reduce_dtype=torch.float32))
+    from torchao.float8 import precompute_float8_dynamic_scale_for_fsdp
+
+    module.after_optimizer_step = lambda: precompute_float8_dynamic_scale_for_fsdp(module)
+    return module
 
 
 def _simple_fsdp(mode: str) -> SetupFn:
@@ -128,10 +163,12 @@ def _compiled(setup: SetupFn, **compile_kwargs) -> SetupFn:
 
 def _graphshard_compiled(options: dict | None, shard_kwargs: dict | None = None,
                          activation_checkpointing: str = "none",
-                         tensor_parallel: bool = False) -> SetupFn:
+                         tensor_parallel: bool = False, float8: bool = False) -> SetupFn:
     def setup(model: nn.Module, mesh: DeviceMesh) -> nn.Module:
         import graphshard
 
+        if float8:
+            model = _float8(model)
         graphshard.apply_activation_checkpointing(model, activation_checkpointing)
         if tensor_parallel:
             model, mesh = _parallelized(model, mesh), mesh["dp"]
@@ -184,6 +221,14 @@ METHODS: dict[str, Method] = {
         _graphshard_compiled({"bucket_mb": 0, "reorder": False}), True,
         "graphshard with bucketing and reordering off",
     ),
+    # Float8 (torchao, the float8 extra): asked for by name.
+    "graphshard_bf16": Method(_graphshard_compiled(None, BF16_PARAMS), True,
+                              "graphshard, bf16 parameters, fp32 reduction"),
+    "graphshard_float8": Method(_graphshard_compiled(None, BF16_PARAMS, float8=True), True,
+                                "torchao float8 Linears gathered in float8 + graphshard (bf16 params)"),
+    "fsdp2_float8": Method(_fsdp2_float8, False,
+                           "torchao float8 Linears + FSDP2 per block + root, float8 all-gather, "
+                           "bf16 params, eager"),
     # Tensor parallelism on a (world / --tp, --tp) mesh: the model's own TP plan on "tp"
     # (graphshard.parallelize), then each method's data parallelism on "dp".
     "graphshard_tp": Method(_graphshard_compiled(None, tensor_parallel=True), True,
@@ -199,20 +244,25 @@ METHODS: dict[str, Method] = {
 
 # Ratios in the table are against these two.
 BASELINES = ("fsdp2_eager", "ddp_eager")
-# The default run is the data-parallel peer table; the TP methods are asked for by name.
+# The default run is the data-parallel peer table; the TP and float8 methods are asked for by
+# name.
 DEFAULT_METHODS = tuple(name for name, m in METHODS.items()
-                        if name not in ("compute_only", "collectives_only") and not m.tensor_parallel)
+                        if name not in ("compute_only", "collectives_only", "graphshard_bf16",
+                                        "graphshard_float8", "fsdp2_float8")
+                        and not m.tensor_parallel)
 
 
 # Keys of a graphshard variant that are not backend options.
 SHARD_KEYS = ("strategy", "param_dtype", "reduce_dtype")
 AC_KEY = "ac"  # graphshard.apply_activation_checkpointing's mode
+FLOAT8_KEY = "float8"  # true: torchao's float8 Linears first, as graphshard_float8
 
 
 def method(name: str) -> Method:
     """A registered method, or a graphshard variant spelled `graphshard:KEY=VALUE+KEY=VALUE`:
     backend options (`graphshard:reorder=false+bucket_mb=0`), graphshard.shard's strategy,
-    param_dtype and reduce_dtype, and `ac` (none, full, selective)."""
+    param_dtype and reduce_dtype, `ac` (none, full, selective) and `float8` (true: torchao's
+    float8 Linears, as graphshard_float8)."""
     if name in METHODS:
         return METHODS[name]
     base, sep, spec = name.partition(":")
@@ -222,7 +272,8 @@ def method(name: str) -> Method:
         pairs = dict(pair.partition("=")[::2] for pair in spec.split("+"))
         shard_kwargs = {k: pairs.pop(k) for k in SHARD_KEYS if k in pairs}
         ac = pairs.pop(AC_KEY, "none")
+        float8 = pairs.pop(FLOAT8_KEY, "false").lower() in ("true", "1")
         options = parse_option_strings([f"{k}={v}" for k, v in pairs.items()])
-        return Method(_graphshard_compiled(options, shard_kwargs, ac), True,
-                      f"graphshard with {shard_kwargs | {'ac': ac} | options}")
+        return Method(_graphshard_compiled(options, shard_kwargs, ac, float8=float8), True,
+                      f"graphshard with {shard_kwargs | {'ac': ac, 'float8': float8} | options}")
     raise KeyError(name)

@@ -412,3 +412,12 @@ def test_calibrate_cli(tmp_path, monkeypatch, capsys):
     assert ClusterSpec.from_json(out) == ClusterSpec.default()
     with pytest.raises(SystemExit):
         calibration.main(["--world-size", "1"])
+
+
+def test_float8_matmuls_run_at_the_float8_peak_where_the_machine_has_one():
+    from graphshard.compiler.clusters import PRESETS
+
+    h100, a100 = PRESETS["h100"], PRESETS["a100"]
+    assert h100.peak_flops(torch.float8_e4m3fn) == h100.float8_flops_per_s == 1979e12
+    assert a100.peak_flops(torch.float8_e4m3fn) == a100.low_precision_flops_per_s  # no float8 cores
+    assert h100.shared_by(16).float8_flops_per_s == h100.float8_flops_per_s  # one rank a GPU

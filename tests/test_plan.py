@@ -132,6 +132,48 @@ def test_the_search_covers_tp_degrees_and_a_tp_configuration_builds_as_written(t
         dist.destroy_process_group()
 
 
+def test_float8_is_searched_priced_at_one_byte_a_gathered_element_and_builds_as_written(tmp_path):
+    pytest.importorskip("torchao")  # the float8 extra, installed by CI
+    argv = ["llama", "--model-args", ",".join(f"{k}={v}" for k, v in LLAMA_ARGS.items()),
+            "--seq", "32", "--devices", "8", "--cluster", "h100", "--global-batch", "8",
+            "--ac", "none", "--dtypes", "bf16,float8", "--tp", "1", "--quiet",
+            "--json", str(tmp_path / "all.json"), "--out", str(tmp_path / "best.json")]
+    printed = io.StringIO()
+    with contextlib.redirect_stdout(printed):
+        assert planner.main(argv) == 0
+    configs = json.loads((tmp_path / "all.json").read_text())["configs"]
+    float8 = [c for c in configs if "float8" in c]
+    assert float8 and len(float8) < len(configs), [c.get("float8") for c in configs]
+    assert re.search(r"full_shard\s+8\s+1\s+none\s+float8\s", printed.getvalue()), printed.getvalue()
+
+    def key(c):  # the same layout and knobs, another dtype
+        return (c["shard"]["strategy"], c["micro_batch"], c["options"]["prefetch"],
+                c["options"]["bucket_mb"], c["options"].get("reshard_after_forward"))
+
+    bf16 = {key(c): c for c in configs if "float8" not in c}
+    for c in float8:
+        assert c["shard"]["param_dtype"] == "bfloat16" and c["float8"]["config"] == {
+            "enable_fsdp_float8_all_gather": True}
+        # the Linears' weights (every width divides by 16 here) are gathered in one byte, not
+        # two; the reduce-scatters stay fp32 for both
+        assert c["comm_bytes"] < 0.9 * bf16[key(c)]["comm_bytes"], (c, bf16[key(c)])
+    init_fake_process_group(8)
+    try:
+        from torchao.float8 import Float8LinearConfig, convert_to_float8_training
+
+        config = float8[0]
+        model, _, _ = build_model("llama", batch=1, seq_len=32, **LLAMA_ARGS)
+        convert_to_float8_training(model, config=Float8LinearConfig(**config["float8"]["config"]))
+        shard_kwargs = dict(config["shard"])
+        mesh = init_device_mesh("cpu", tuple(shard_kwargs.pop("mesh_shape")),
+                                mesh_dim_names=tuple(shard_kwargs.pop("mesh_dim_names")))
+        shard_kwargs.pop("tensor_parallel")
+        graphshard.shard(model, mesh, **shard_kwargs)
+        assert graphshard.is_sharded(model)
+    finally:
+        dist.destroy_process_group()
+
+
 def test_collectives_pay_the_link_their_group_spans():
     h100 = PRESETS["h100"]
     assert h100.link(spans_nodes=False) is h100
@@ -244,7 +286,9 @@ def test_auto_keeps_as_many_blocks_beyond_the_default_as_the_device_memory_allow
     ([*SMALL, "--devices", "8", "--cluster", "h100", "--global-batch", "8", "--ac", "full,most"],
      r"--ac: expected none, full, selective \(comma-separated\), got 'full,most'"),
     ([*SMALL, "--devices", "8", "--cluster", "h100", "--global-batch", "8", "--dtypes", "int8"],
-     r"--dtypes takes bf16 and/or fp32; got 'int8'"),
+     r"--dtypes takes bf16, fp32 and/or float8 \(fp8\), comma-separated; got 'int8'"),
+    ([*SMALL, "--devices", "8", "--cluster", "a100", "--global-batch", "8", "--dtypes", "fp8"],
+     r"--dtypes float8: this cluster has no float8 matmul peak"),
     (["transformer", "--model-args", "dim", "--seq", "32", "--devices", "8", "--cluster", "h100",
       "--global-batch", "8"], r"--model-args: expected KEY=VALUE, got 'dim'"),
 ])

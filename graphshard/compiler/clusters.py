@@ -27,6 +27,7 @@ PRESETS: dict[str, ClusterSpec] = {
         # (NVIDIA H100 datasheet; PyTorch's fp32 matmuls do not use TF32 by default).
         flops_per_s=67e12,
         low_precision_flops_per_s=989e12,
+        float8_flops_per_s=1979e12,  # dense FP8 tensor core (datasheet: 3,958 with sparsity)
         memory_bandwidth_Bps=3.35e12,  # HBM3, 3.35 TB/s (datasheet)
         kernel_overhead_s=4e-6,  # CUDA kernel launch + dispatch, a few microseconds
         devices_per_node=8,
@@ -44,6 +45,7 @@ PRESETS: dict[str, ClusterSpec] = {
         bandwidth_Bps=230 * GB,
         flops_per_s=19.5e12,  # FP32 (datasheet)
         low_precision_flops_per_s=312e12,  # dense BF16 tensor core (datasheet)
+        # no float8 tensor cores (Ampere): float8 matmuls are priced at the bf16 peak
         memory_bandwidth_Bps=2.039e12,  # HBM2e, 2,039 GB/s (A100 80GB SXM datasheet)
         kernel_overhead_s=4e-6,
         devices_per_node=8,

@@ -38,6 +38,9 @@ _ALLOC_ONLY = frozenset({aten.empty.memory_format, aten.empty_strided.default,
                          aten.new_empty.default, aten.new_empty_strided.default})
 
 
+FLOAT8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
+
+
 # --------------------------------------------------------------------------- machine parameters
 
 
@@ -56,6 +59,7 @@ class ClusterSpec:
     memory_bandwidth_Bps: float  # for memory-bound ops
     kernel_overhead_s: float = 2e-6  # fixed cost of every compute node (dispatch, launch)
     low_precision_flops_per_s: float | None = None  # bf16/fp16 matmul peak (None: flops_per_s)
+    float8_flops_per_s: float | None = None  # float8 matmul peak (None: the bf16/fp16 one)
     devices_per_node: int | None = None  # None: every device in one node
     inter_node_latency_s: float | None = None
     inter_node_bandwidth_Bps: float | None = None  # per device, between nodes
@@ -111,17 +115,22 @@ class ClusterSpec:
         if slots is None or ranks_per_node <= slots:
             return self
         share = ranks_per_node / slots
-        low = self.low_precision_flops_per_s
+        low, float8 = self.low_precision_flops_per_s, self.float8_flops_per_s
         return dataclasses.replace(
             self, flops_per_s=self.flops_per_s / share,
             low_precision_flops_per_s=None if low is None else low / share,
+            float8_flops_per_s=None if float8 is None else float8 / share,
             memory_bandwidth_Bps=self.memory_bandwidth_Bps / share,
             latency_s=self.latency_s * share, bandwidth_Bps=self.bandwidth_Bps / share,
             kernel_overhead_s=self.kernel_overhead_s * share,
             step_overhead_s=self.step_overhead_s * share)
 
     def peak_flops(self, dtype: torch.dtype | None) -> float:
-        low = dtype in (torch.bfloat16, torch.float16) and self.low_precision_flops_per_s
+        """The matmul peak for operands of `dtype` (float8: the float8 peak where the
+        machine has one, else the bf16 one)."""
+        if dtype in FLOAT8_DTYPES and self.float8_flops_per_s:
+            return self.float8_flops_per_s
+        low = dtype in (torch.bfloat16, torch.float16, *FLOAT8_DTYPES) and self.low_precision_flops_per_s
         return self.low_precision_flops_per_s if low else self.flops_per_s
 
     @classmethod
@@ -300,7 +309,10 @@ def node_cost(node: fx.Node, spec: ClusterSpec, *, symbolic: bool = False) -> No
                             nbytes / sympy.Float(spec.memory_bandwidth_Bps))
         return NodeCost(flops, nbytes, as_number_if_constant(seconds + sympy.Float(spec.kernel_overhead_s)))
     val = node.meta.get("val")
-    peak = spec.peak_flops(val.dtype if isinstance(val, torch.Tensor) else None)
+    # a float8 matmul (torch._scaled_mm) returns a wider dtype: its operands' sets the peak
+    float8 = [v.dtype for v in map(_node_val, node.all_input_nodes)
+              if isinstance(v, torch.Tensor) and v.dtype in FLOAT8_DTYPES]
+    peak = spec.peak_flops(float8[0] if float8 else val.dtype if isinstance(val, torch.Tensor) else None)
     seconds = max(flops / peak, nbytes / spec.memory_bandwidth_Bps)
     return NodeCost(int(flops), int(nbytes), seconds + spec.kernel_overhead_s)
 

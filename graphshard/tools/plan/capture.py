@@ -7,7 +7,7 @@ from __future__ import annotations
 import copy
 from typing import Sequence
 
-from graphshard.tools.plan.config import Probe
+from graphshard.tools.plan.config import FLOAT8_RECIPE, Probe, compute_dtype
 from graphshard.tools.plan.space import Knobs, Layout, PlanError
 
 
@@ -23,6 +23,8 @@ def capture_probes(target: str, layout: Layout, devices: int, seq: int, n_layers
 
     args = dict(model_args) | ({"n_layers": n_layers} if n_layers is not None else {})
     workload = load_workload(target, batch=layout.micro_batch, seq_len=seq, model_args=args)
+    if layout.param_dtype == "float8":
+        convert_to_float8(workload.model)
     graphshard.apply_activation_checkpointing(workload.model, layout.ac)
     probes: dict[Knobs, Probe] = {}
 
@@ -35,7 +37,7 @@ def capture_probes(target: str, layout: Layout, devices: int, seq: int, n_layers
     low = layout.param_dtype != "float32"
     try:
         with sharded_on_fake_cluster(workload, devices, layout.strategy, layout.shard_size,
-                                     param_dtype=layout.param_dtype if low else None,
+                                     param_dtype=compute_dtype(layout.param_dtype) if low else None,
                                      reduce_dtype="float32" if low else None, tp=layout.tp):
             # MFU counts every parameter once, whole (a TP rank's graph reads its piece)
             trainable = sum(p.numel() for p in workload.model.parameters() if p.requires_grad)
@@ -48,6 +50,19 @@ def capture_probes(target: str, layout: Layout, devices: int, seq: int, n_layers
         raise PlanError(f"{target}: no sharded training graph reached the backend (does the model "
                         "have trainable parameters read in forward?)")
     return probes
+
+
+def convert_to_float8(model) -> None:
+    """Convert `model` as a float8 configuration's JSON says (FLOAT8_RECIPE): torchao's float8
+    training of the Linears whose widths divide by 16, their weights gathered in float8."""
+    try:
+        from torchao.float8 import Float8LinearConfig, convert_to_float8_training
+    except ImportError as e:
+        raise PlanError("--dtypes float8 needs torchao: pip install 'graphshard[float8]'") from e
+    convert_to_float8_training(
+        model, config=Float8LinearConfig(**FLOAT8_RECIPE["config"]),
+        module_filter_fn=lambda module, fqn: (module.in_features % 16 == 0
+                                              and module.out_features % 16 == 0))
 
 
 def _run(workload, recorder) -> None:

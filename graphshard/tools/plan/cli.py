@@ -18,7 +18,7 @@ from graphshard.tools.plan.space import PlanError
 from graphshard.tools.plan.target import depth_probes
 
 USAGE_ERROR = 2
-PLANNED_DTYPES = ("bfloat16", "float32")
+PLANNED_DTYPES = ("bfloat16", "float32", "float8")
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -40,7 +40,9 @@ def _parser() -> argparse.ArgumentParser:
                    help="keyword arguments for the model factory")
     p.add_argument("--ac", default="none,full,selective", metavar="MODE[,MODE...]",
                    help=f"{AC_HELP}; the modes to try, comma-separated (default: all three)")
-    p.add_argument("--dtypes", default="bf16,fp32", help="parameter dtypes to try")
+    p.add_argument("--dtypes", default="bf16,fp32",
+                   help="parameter dtypes to try: bf16, fp32, float8 (torchao's float8 training "
+                        "with float8 all-gather; needs the float8 extra)")
     p.add_argument("--tp", default="1,2,4,8", metavar="N[,N...]",
                    help="tensor-parallel degrees to try, within a node (default 1,2,4,8: those "
                         "that fit a node and the model's heads)")
@@ -63,17 +65,22 @@ def _parsed(flag: str, parse, text: str):
 
 
 def _dtypes(text: str) -> list[str]:
-    """'bf16,fp32' -> ['bfloat16', 'float32']: the parameter dtypes the planner searches."""
+    """'bf16,fp32,fp8' -> ['bfloat16', 'float32', 'float8']: the parameter dtypes the planner
+    searches (float8: torchao's float8 Linears, gathered in float8; the rest bf16)."""
     from graphshard.policy import dtype_from_name
 
+    accepted = "--dtypes takes bf16, fp32 and/or float8 (fp8), comma-separated"
     names = []
     for name in text.split(","):
+        if name.strip().lower() in ("float8", "fp8"):
+            names.append("float8")
+            continue
         try:
             names.append(str(dtype_from_name(name)).removeprefix("torch."))
         except ValueError as e:
-            raise PlanError(f"--dtypes takes bf16 and/or fp32; got {text!r}") from e
+            raise PlanError(f"{accepted}; got {text!r}") from e
     if not all(name in PLANNED_DTYPES for name in names):
-        raise PlanError(f"--dtypes takes bf16 and/or fp32; got {text!r}")
+        raise PlanError(f"{accepted}; got {text!r}")
     return names
 
 

@@ -7,11 +7,25 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Any
 
+import torch
+
 from graphshard.policy import dtype_from_name
 from graphshard.tools.dump.report import human_bytes  # the unit that fits, as dump prints it
 from graphshard.tools.plan.space import Knobs, Layout
 
 ADAMW_BYTES_PER_ELEMENT = 28  # fused AdamW on fp32 shards: reads p, g, m, v; writes p, m, v
+# How a float8 configuration converts the model before graphshard.shard (its JSON says so).
+FLOAT8_RECIPE = {
+    "convert": "torchao.float8.convert_to_float8_training",
+    "config": {"enable_fsdp_float8_all_gather": True},  # tensorwise scaling, torchao's default
+    "module_filter": "nn.Linear whose in_features and out_features divide by 16",
+}
+
+
+def compute_dtype(param_dtype: str) -> str:
+    """The dtype graphshard.shard's param_dtype takes for a layout's dtype (float8 layouts run
+    their unconverted layers in bf16)."""
+    return "bfloat16" if param_dtype == "float8" else param_dtype
 
 
 @dataclass
@@ -84,7 +98,8 @@ class Config:
         kwargs = {"strategy": self.strategy_name, "mesh_shape": self.mesh_shape(devices),
                   "mesh_dim_names": self.mesh_dim_names(), "tensor_parallel": self.layout.tp}
         if self.layout.param_dtype != "float32":
-            kwargs |= {"param_dtype": self.layout.param_dtype, "reduce_dtype": "float32"}
+            kwargs |= {"param_dtype": compute_dtype(self.layout.param_dtype),
+                       "reduce_dtype": "float32"}
         return kwargs
 
     def options(self, budget_mb: float | None) -> dict:
@@ -101,6 +116,7 @@ class Config:
             "peak_memory_bytes": int(self.peak_memory_bytes), "fits": self.fits, "why": self.why,
             "comm_bytes": int(self.comm_bytes), "exposed_comm_s": self.exposed_comm_s,
             "shard": self.shard_kwargs(devices), "options": self.options(budget_mb),
+            **({"float8": FLOAT8_RECIPE} if self.layout.param_dtype == "float8" else {}),
             "activation_checkpointing": self.layout.ac, "micro_batch": self.layout.micro_batch,
             "accumulation_steps": self.accumulation,
             **({"kept_blocks": self.kept_blocks} if self.kept_blocks is not None else {}),
@@ -116,7 +132,8 @@ def finish(layout: Layout, knobs: Knobs, probe: Probe, *, accumulation: int, clu
     step = accumulation * (probe.step_s + cluster.step_overhead_s) + optimizer_s
     # Micro-batches after the first run with the earlier ones' gradients held.
     peak = probe.state_bytes + probe.transient_bytes + (probe.gradient_bytes if accumulation > 1 else 0)
-    peak_flops = cluster.peak_flops(dtype_from_name(layout.param_dtype))
+    peak_flops = cluster.peak_flops(torch.float8_e4m3fn if layout.param_dtype == "float8"
+                                    else dtype_from_name(layout.param_dtype))
     limit = cluster.device_memory_bytes
     fits = limit is None or peak <= limit
     why = "" if fits else f"needs {human_bytes(peak)} per device > {human_bytes(limit)}"

@@ -8,6 +8,7 @@ from typing import Sequence
 from graphshard.tools.plan.config import Config, human_bytes
 
 KEEP_LABELS = {"last": "tail", "all": "all"}
+DTYPE_LABELS = {"bfloat16": "bf16", "float32": "fp32", "float8": "float8"}
 
 
 def budget_mb(cluster) -> float | None:
@@ -24,7 +25,7 @@ def table(configs: Sequence[Config], devices: int, cluster, top: int) -> str:
         rows.append([
             rank, c.strategy_name, "x".join(map(str, c.mesh_shape(devices))), c.layout.tp,
             c.layout.ac,
-            "bf16" if c.layout.param_dtype == "bfloat16" else "fp32",
+            DTYPE_LABELS[c.layout.param_dtype],
             f"{c.layout.micro_batch}x{c.accumulation}", keep, c.knobs.prefetch, f"{c.knobs.bucket_mb:g}",
             f"{c.step_s * 1e3:.1f}", f"{c.tokens_per_s / devices:,.0f}", f"{100 * c.mfu:.1f}",
             human_bytes(c.peak_memory_bytes) + (f" / {human_bytes(limit)}" if limit else ""),

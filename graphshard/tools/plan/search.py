@@ -58,6 +58,10 @@ def plan(target: str, devices: int, cluster, global_batch: int, seq: int, *,
     """Every configuration, best first (fitting ones by step time, then the rest by peak)."""
     model_args = dict(model_args or {})
     check_plan_input(devices, cluster, global_batch)
+    if "float8" in dtypes and cluster.float8_flops_per_s is None:
+        raise PlanError("--dtypes float8: this cluster has no float8 matmul peak "
+                        "(float8_flops_per_s): float8 training pays on float8 tensor cores (the "
+                        "h100 preset); add float8_flops_per_s to a cluster JSON to plan it")
     check_factory_takes_shape(target)
     cluster = as_ranks_see_it(cluster, devices)
     depth, probe_sizes = depth_probes(target, model_args)

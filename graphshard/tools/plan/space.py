@@ -19,7 +19,9 @@ class Layout:
     strategy: str  # "full_shard" or "hybrid_shard"
     shard_size: int  # ranks per shard group (all devices for full_shard)
     ac: str  # activation checkpointing: "none", "full", "selective"
-    param_dtype: str  # "bfloat16" (fp32 reduction) or "float32"
+    # "bfloat16" (fp32 reduction), "float32", or "float8": torchao's float8 training of the
+    # Linears it can convert, their weights gathered in float8, the rest bfloat16
+    param_dtype: str
     micro_batch: int  # per data-parallel rank (its TP ranks share it)
     tp: int = 1  # tensor-parallel degree, within a node; shard_size counts data-parallel ranks
 
