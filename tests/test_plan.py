@@ -132,6 +132,7 @@ def test_the_search_covers_tp_degrees_and_a_tp_configuration_builds_as_written(t
         dist.destroy_process_group()
 
 
+@pytest.mark.slow
 def test_float8_is_searched_priced_at_one_byte_a_gathered_element_and_builds_as_written(tmp_path):
     pytest.importorskip("torchao")  # the float8 extra, installed by CI
     argv = ["llama", "--model-args", ",".join(f"{k}={v}" for k, v in LLAMA_ARGS.items()),
