@@ -107,20 +107,25 @@ LLAMA_ARGS = {"dim": 64, "n_layers": 2, "n_heads": 4, "n_kv_heads": 2, "vocab_si
               "ffn_hidden": 128}
 
 
-def test_the_search_covers_tp_degrees_and_a_tp_configuration_builds_as_written(tmp_path):
+def _plan_small_llama(tmp_path, dtypes: str, tp: str) -> tuple[list[dict], str]:
+    """The planner's CLI on the small Llama, 8 H100s: (every configuration, the printed table)."""
     argv = ["llama", "--model-args", ",".join(f"{k}={v}" for k, v in LLAMA_ARGS.items()),
             "--seq", "32", "--devices", "8", "--cluster", "h100", "--global-batch", "8",
-            "--ac", "none", "--dtypes", "bf16", "--tp", "1,2,4", "--quiet",
+            "--ac", "none", "--dtypes", dtypes, "--tp", tp, "--quiet",
             "--json", str(tmp_path / "all.json"), "--out", str(tmp_path / "best.json")]
     printed = io.StringIO()
     with contextlib.redirect_stdout(printed):
         assert planner.main(argv) == 0
-    configs = json.loads((tmp_path / "all.json").read_text())["configs"]
+    return json.loads((tmp_path / "all.json").read_text())["configs"], printed.getvalue()
+
+
+def test_the_search_covers_tp_degrees_and_a_tp_configuration_builds_as_written(tmp_path):
+    configs, printed = _plan_small_llama(tmp_path, "bf16", "1,2,4")
     # tp 4 would cut the 2 KV heads: skipped; tp 2 runs over 4 data-parallel ranks
     assert {c["shard"]["tensor_parallel"] for c in configs} == {1, 2}
     with_tp = [c for c in configs if c["shard"]["tensor_parallel"] == 2]
     assert {tuple(c["shard"]["mesh_shape"]) for c in with_tp} == {(4, 2)}
-    assert re.search(r"full_shard\s+4x2\s+2\s", printed.getvalue()), printed.getvalue()
+    assert re.search(r"full_shard\s+4x2\s+2\s", printed), printed
     # the same global batch: a data-parallel rank of a TP pair trains twice a device's share
     assert {(c["micro_batch"] * c["accumulation_steps"]) for c in with_tp} == {2}
     init_fake_process_group(8)
@@ -135,17 +140,10 @@ def test_the_search_covers_tp_degrees_and_a_tp_configuration_builds_as_written(t
 @pytest.mark.slow
 def test_float8_is_searched_priced_at_one_byte_a_gathered_element_and_builds_as_written(tmp_path):
     pytest.importorskip("torchao")  # the float8 extra, installed by CI
-    argv = ["llama", "--model-args", ",".join(f"{k}={v}" for k, v in LLAMA_ARGS.items()),
-            "--seq", "32", "--devices", "8", "--cluster", "h100", "--global-batch", "8",
-            "--ac", "none", "--dtypes", "bf16,float8", "--tp", "1", "--quiet",
-            "--json", str(tmp_path / "all.json"), "--out", str(tmp_path / "best.json")]
-    printed = io.StringIO()
-    with contextlib.redirect_stdout(printed):
-        assert planner.main(argv) == 0
-    configs = json.loads((tmp_path / "all.json").read_text())["configs"]
+    configs, printed = _plan_small_llama(tmp_path, "bf16,float8", "1")
     float8 = [c for c in configs if "float8" in c]
     assert float8 and len(float8) < len(configs), [c.get("float8") for c in configs]
-    assert re.search(r"full_shard\s+8\s+1\s+none\s+float8\s", printed.getvalue()), printed.getvalue()
+    assert re.search(r"full_shard\s+8\s+1\s+none\s+float8\s", printed), printed
 
     def key(c):  # the same layout and knobs, another dtype
         return (c["shard"]["strategy"], c["micro_batch"], c["options"]["prefetch"],
