@@ -300,6 +300,7 @@ COMPILED_PEERS = ("ddp_eager", "ddp_compile", "fsdp2_compile", "simplefsdp_full"
 
 @pytest.mark.slow
 @pytest.mark.timeout(900)
+@pytest.mark.slow
 def test_bench_runs_the_compiled_peers_and_they_train_as_ddp(tmp_path):
     """DDP and FSDP2 compiled and torchtitan's SimpleFSDP (both modes) run in one bench launch,
     their losses DDP's; SimpleFSDP's all-gathers unbucketed (torchtitan's passes need Triton)."""
@@ -391,6 +392,7 @@ def test_tensor_parallel_methods_split_the_batch_by_data_parallel_rank_and_keep_
 
 @pytest.mark.slow
 @pytest.mark.timeout(900)
+@pytest.mark.slow
 def test_bench_tensor_parallel_methods_train_as_ddp(tmp_path):
     """graphshard + TP and FSDP2 + TP at world size 2 (1 x 2) on the Hugging Face Llama: their
     losses DDP's at the same global batch."""

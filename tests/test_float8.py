@@ -249,6 +249,7 @@ def _assert_float8_gathers(result: Result) -> None:
     assert result.widened_float8 == 0  # the gathered float8 feeds the float8 matmul
 
 
+@pytest.mark.slow
 def test_float8_matches_fsdp2_world_2(tmp_path):
     runs = [Run("fsdp2"), Run("graphshard", checkpoint_dir=str(tmp_path)),
             Run("fsdp2", float8=False)]
@@ -273,6 +274,7 @@ def test_float8_uneven_shards_with_activation_checkpointing_world_3():
     _assert_float8_gathers(ours)
 
 
+@pytest.mark.slow
 def test_float8_with_bf16_compute_world_2():
     """param_dtype bf16: the unconverted layers gather and compute in bf16, the float8 ones
     gather float8 and return bf16 from their matmuls."""
@@ -305,6 +307,7 @@ def test_float8_shard_grad_op_and_no_shard_world_2():
     assert no_shard.float8_gathers == {} and no_shard.scaled_mms >= len(CONVERTED)
 
 
+@pytest.mark.slow
 def test_float8_gradient_accumulation_no_sync_world_2():
     """Float8 weights accumulate unreduced gradients within no_sync, like every parameter, and
     are reduced once at the synced micro-batch (graphshard's eager path: the same routes)."""

@@ -20,7 +20,8 @@ import torch.nn as nn
 
 from graphshard.tools.launch import run_local
 
-pytestmark = pytest.mark.timeout(1800)
+# every test here reads a multi-process launch of cold Inductor compiles
+pytestmark = [pytest.mark.timeout(1800), pytest.mark.slow]
 
 SEQ, ROWS, STEPS, LR = 8, 4, 2, 0.5
 FP32_TOL = 1e-5  # the same math; sharding and TP only reorder float sums

@@ -14,7 +14,8 @@ import torch
 from graphshard.tools.launch import run_local
 from tests.test_tensor_parallel import batch, build, loss_of
 
-pytestmark = pytest.mark.timeout(1200)
+# every test here reads a multi-process launch of cold Inductor compiles
+pytestmark = [pytest.mark.timeout(1200), pytest.mark.slow]
 
 
 def _model(layout: tuple[int, int] | None, meta: bool = False):
