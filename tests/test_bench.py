@@ -424,7 +424,6 @@ def test_bench_float8_methods_gather_fewer_bytes_and_train_like_fsdp2_with_torch
     in both, so they gather the same weights) and FSDP2 + torchao float8 at world size 2 on the
     built-in Llama: float8 gathers move fewer bytes than bf16 ones, and graphshard's losses
     are FSDP2 + torchao's (same float8 math, bf16 rounding)."""
-    pytest.importorskip("torchao")  # the float8 extra, installed by CI
     out = tmp_path / "results.json"
     bf16 = "graphshard:param_dtype=bfloat16+reduce_dtype=float32+reshard_after_forward=true"
     names = (bf16, bf16 + "+float8=true", "fsdp2_float8")
