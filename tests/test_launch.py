@@ -22,6 +22,12 @@ def _dies_at_step_two(rank: int, world: int):
     return "finished"
 
 
+def _aborts_in_a_named_function(rank: int, world: int):
+    if rank == 1:
+        os.abort()  # as a transport's C++ assertion does
+    time.sleep(60)
+
+
 def _stalls(rank: int, world: int):
     if rank == 1:
         time.sleep(600)
@@ -34,6 +40,14 @@ def test_a_rank_that_dies_stops_the_others_quickly():
     with pytest.raises(DistributedRunError, match="rank 1 exited with code 3"):
         run_local(_dies_at_step_two, 2, timeout_s=60)
     assert time.monotonic() - start < 45
+
+
+def test_a_rank_killed_by_a_signal_is_reported_with_its_python_stack():
+    with pytest.raises(DistributedRunError) as error:
+        run_local(_aborts_in_a_named_function, 2, timeout_s=60)
+    message = str(error.value)
+    assert "rank 1 exited with code -6" in message, message
+    assert "_aborts_in_a_named_function" in message, message
 
 
 def test_a_stuck_rank_fails_the_others_at_the_collective_timeout():

@@ -231,7 +231,8 @@ def test_eager_ranks_running_different_code_get_an_error_naming_the_parameters(e
 
 def cache_worker(rank: int, world: int) -> dict:
     """Rank 1 says it loaded a Dynamo graph's compile from the compile caches (no graph of
-    ours ran, so it publishes no schedule); rank 0 compiles that graph and checks it."""
+    ours ran, so it publishes no schedule); rank 0 compiles that graph and checks it. Then
+    rank 1 loads a graph whose schedule no rank published."""
     from graphshard.compiler.schedule_check import check_schedule, record_served_from_cache
     from tests.test_passes import gather_graph
 
@@ -239,10 +240,14 @@ def cache_worker(rank: int, world: int) -> dict:
     result = {}
     if rank == 1:
         record_served_from_cache("served")
+        torch.distributed.barrier()
+        record_served_from_cache("unknown")
     else:
         start = time.perf_counter()
         check_schedule(gm, "forward", dynamo_key="served", wait_s=60)
         result["served_s"] = time.perf_counter() - start
+        torch.distributed.barrier()
+        time.sleep(0.5)  # rank 1 records its second load
         start = time.perf_counter()
         result["other"] = _eager_error(
             lambda: check_schedule(gm, "forward", dynamo_key="another graph", wait_s=2))
@@ -257,3 +262,28 @@ def test_the_schedule_check_accepts_a_peer_served_from_the_compile_cache():
     # a peer that loaded another graph from its cache is no answer
     assert results[0]["other"].startswith("ScheduleMismatchError: "), results[0]
     assert "compiled no forward graph" in results[0]["other"], results[0]
+
+
+def loader_worker(rank: int, world: int) -> dict:
+    """Three ranks of one host: rank 0 compiles graph A; ranks 1 and 2 run graph B (another
+    place in a mesh: other code, the same schedule), which rank 2 compiles and rank 1 loads
+    once rank 2 is done. Rank 1 publishes no schedule while it waits: rank 0 must take rank 2's
+    as rank 1's, not wait for rank 1 (which waits for rank 2, which waits for rank 0)."""
+    from graphshard.compiler.schedule_check import check_schedule, record_served_from_cache
+    from tests.test_passes import gather_graph
+
+    gm = gather_graph(world, [("layers.0.a", (9, 4), torch.float32)], rank=0)
+    result = {}
+    if rank == 1:
+        record_served_from_cache("B")
+    else:
+        start = time.perf_counter()
+        check_schedule(gm, "forward", dynamo_key="A" if rank == 0 else "B", wait_s=60)
+        result["seconds"] = time.perf_counter() - start
+    torch.distributed.barrier()  # rank 0's process holds the store
+    return result
+
+
+def test_the_schedule_check_takes_a_loading_peer_schedule_from_its_graph_compiler():
+    results = run_local(loader_worker, 3)
+    assert results[0]["seconds"] < 10 and results[2]["seconds"] < 10, results

@@ -7,6 +7,12 @@ compiled the same schedule and goes on at once. Where the schedules differ, ever
 compiles sees the other's digest, one it never compiled itself, and raises within a poll
 interval, naming the first collective that differs and what each rank runs it for; a rank
 whose schedule no other rank publishes within `WAIT_S` raises too.
+
+A rank that loads a compile instead (compiled by another rank of its host, or found in the
+compile caches) publishes which Dynamo graph it loads; its peers take the schedule of the rank
+that compiled that graph as its own. Ranks of one host at different places of a mesh (two
+tensor-parallel ranks) compile different graphs with one schedule, so a rank never waits for a
+loading peer's own digest: that peer waits for its graph's compiler, which may be waiting here.
 """
 
 from __future__ import annotations
@@ -77,15 +83,31 @@ def _wait_until_every_rank_saw_it(store, key: str, rank: int, peers: list[int],
         time.sleep(0.05)
 
 
-def _cached(rank: int, dynamo_key: str) -> str:
-    return f"{_PREFIX}/cached/{rank}/{dynamo_key}"
+def _loads(rank: int) -> str:  # the Dynamo graph the rank loads now ("": none)
+    return f"{_PREFIX}/loads/{rank}"
+
+
+def _loaded(rank: int, dynamo_key: str) -> str:  # it loaded that graph, ever
+    return f"{_PREFIX}/loaded/{rank}/{dynamo_key}"
+
+
+def _graph_schedule(dynamo_key: str, graph_kind: str) -> str:
+    return f"{_PREFIX}/graph/{dynamo_key}/{graph_kind}"
+
+
+_loaded_here: list[str] = []  # the Dynamo graphs this process loaded instead of compiling
 
 
 def record_served_from_cache(dynamo_key: str) -> None:
-    """This rank loaded the compile of the Dynamo graph `dynamo_key` from the compile caches
-    (no graph of ours ran, so no digest): peers compiling the same graph accept that."""
+    """This rank loads the compile of the Dynamo graph `dynamo_key` (compiled by another rank of
+    its host, or found in the compile caches) instead of compiling it, so it publishes no
+    schedule of its own: peers accept the schedule of whichever rank compiled that graph, or
+    the same graph's compile."""
     if dist.is_initialized() and dist.get_world_size() > 1 and dist.get_backend() != "fake":
-        compat.default_store().set(_cached(dist.get_rank(), dynamo_key), "1")
+        store, rank = compat.default_store(), dist.get_rank()
+        store.set(_loaded(rank, dynamo_key), "1")
+        store.set(_loads(rank), dynamo_key)
+        _loaded_here.append(dynamo_key)
 
 
 def _peers(gm: fx.GraphModule, rank: int) -> list[int]:
@@ -99,8 +121,8 @@ def _peers(gm: fx.GraphModule, rank: int) -> list[int]:
 def check_schedule(gm: fx.GraphModule, graph_kind: str, *, dynamo_key: str | None = None,
                    wait_s: float = WAIT_S) -> None:
     """Raise ScheduleMismatchError unless every rank this graph exchanges with compiled (or
-    compiles) a `graph_kind` graph with this graph's collective sequence, or loaded the same
-    Dynamo graph's compile (`dynamo_key`) from its compile caches."""
+    compiles) a `graph_kind` graph with this graph's collective sequence, or loads the compile
+    of this Dynamo graph (`dynamo_key`) or of one with this schedule."""
     # a fake process group (graphshard dump, the planner) is one process: no other rank to ask
     if not dist.is_initialized() or dist.get_world_size() == 1 or dist.get_backend() == "fake":
         return
@@ -113,20 +135,45 @@ def check_schedule(gm: fx.GraphModule, graph_kind: str, *, dynamo_key: str | Non
     store.set(f"{_PREFIX}/sequence/{digest}", _encode(records))
     store.set(has(rank, digest), "1")
     store.set(latest(rank), digest)
+    store.set(_loads(rank), "")  # this rank compiles this graph itself
+    if dynamo_key is not None:  # for the ranks that load this compile instead
+        store.set(_graph_schedule(dynamo_key, graph_kind), digest)
+
+    def schedule_of(dynamo_key_loaded: str) -> str | None:
+        key = _graph_schedule(dynamo_key_loaded, graph_kind)
+        return store.get(key).decode() if store.check([key]) else None
+
+    def ran_here(other_digest: str) -> bool:
+        """This rank compiled or loaded a graph with that schedule: a peer still on it is
+        behind this rank in the same sequence of compiles."""
+        return store.check([has(rank, other_digest)]) or any(
+            schedule_of(loaded) == other_digest for loaded in _loaded_here)
+
+    def current_schedule(other: int) -> tuple[bool, str | None]:
+        """(accepted, the other rank's newest schedule): it compiled this schedule, or loads a
+        compile of this graph or of one with this schedule."""
+        if store.check([has(other, digest)]) or (
+                dynamo_key is not None and store.check([_loaded(other, dynamo_key)])):
+            return True, digest
+        loads = store.get(_loads(other)).decode() if store.check([_loads(other)]) else ""
+        if loads:
+            if loads == dynamo_key:
+                return True, digest
+            theirs = schedule_of(loads)  # None until the rank that compiles it gets here
+            return theirs == digest, theirs
+        return False, store.get(latest(other)).decode() if store.check([latest(other)]) else None
+
     waiting = list(peers)
     deadline, pause = time.monotonic() + wait_s, 0.01
     while waiting:
         for other in list(waiting):
-            if store.check([has(other, digest)]) or (
-                    dynamo_key is not None and store.check([_cached(other, dynamo_key)])):
+            accepted, theirs = current_schedule(other)
+            if accepted:
                 waiting.remove(other)
                 continue
-            if not store.check([latest(other)]):
-                continue
-            theirs = store.get(latest(other)).decode()
-            # the other rank's newest schedule, one this rank never compiled: not a rank behind
-            # or ahead of this one in the same sequence of compiles, but a different graph
-            if theirs != digest and not store.check([has(rank, theirs)]):
+            # the other rank's newest schedule, one this rank never ran: not a rank behind or
+            # ahead of this one in the same sequence of compiles, but a different graph
+            if theirs is not None and not ran_here(theirs):
                 other_records = _decode(store.get(f"{_PREFIX}/sequence/{theirs}"))
                 # keyed by the two schedules: an earlier mismatch's keys must not count
                 pair = "/".join(sorted((digest, theirs)))

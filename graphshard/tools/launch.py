@@ -8,6 +8,7 @@ so one rank dying ends the others at once with an error naming the rank.
 from __future__ import annotations
 
 import datetime
+import faulthandler
 import multiprocessing
 import os
 import pickle
@@ -67,6 +68,9 @@ def _worker(rank: int, world_size: int, port: int, timeout_s: float, result_dir:
         sys.modules["numpy"].random.seed()
     if threads:
         torch.set_num_threads(threads)
+    # a rank killed by a signal (an abort in the transport, a segfault) leaves its Python stack
+    fault_file = open(os.path.join(result_dir, f"rank{rank}.fault"), "w")
+    faulthandler.enable(fault_file, all_threads=False)
     init_from_env(timeout_s)
     try:
         fn, args = pickle.loads(call)
@@ -107,7 +111,7 @@ def run_local(fn: Callable[..., Any], world_size: int, *args, timeout_s: float =
         except mp.ProcessExitedException as exc:
             raise DistributedRunError(
                 f"rank {exc.error_index} exited with code {exc.exit_code} (killed or crashed); "
-                "the other ranks were stopped"
+                "the other ranks were stopped" + _fault_report(result_dir, exc.error_index)
             ) from None
         return [torch.load(os.path.join(result_dir, f"rank{r}.pt"), weights_only=False)
                 for r in range(world_size)]
@@ -122,6 +126,13 @@ def _start_method() -> str:
         multiprocessing.set_forkserver_preload(_PRELOAD)
         _server_started_with = now
     return "forkserver" if now == _server_started_with else "spawn"
+
+
+def _fault_report(result_dir: str, rank: int) -> str:
+    """Where the rank was when a signal killed it (faulthandler's dump), if it left one."""
+    path = os.path.join(result_dir, f"rank{rank}.fault")
+    text = open(path).read().strip() if os.path.exists(path) else ""
+    return f"; its Python stack at the signal:\n{text}" if text else ""
 
 
 def _first_error(result_dir: str) -> str | None:
