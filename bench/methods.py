@@ -256,13 +256,15 @@ DEFAULT_METHODS = tuple(name for name, m in METHODS.items()
 SHARD_KEYS = ("strategy", "param_dtype", "reduce_dtype")
 AC_KEY = "ac"  # graphshard.apply_activation_checkpointing's mode
 FLOAT8_KEY = "float8"  # true: torchao's float8 Linears first, as graphshard_float8
+TP_KEY = "tp"  # true: the model's TP plan on the mesh's "tp" dim first, as graphshard_tp
 
 
 def method(name: str) -> Method:
     """A registered method, or a graphshard variant spelled `graphshard:KEY=VALUE+KEY=VALUE`:
     backend options (`graphshard:reorder=false+bucket_mb=0`), graphshard.shard's strategy,
-    param_dtype and reduce_dtype, `ac` (none, full, selective) and `float8` (true: torchao's
-    float8 Linears, as graphshard_float8)."""
+    param_dtype and reduce_dtype, `ac` (none, full, selective), `float8` (true: torchao's
+    float8 Linears, as graphshard_float8) and `tp` (true: tensor parallelism on the
+    (world / --tp, --tp) mesh, as graphshard_tp)."""
     if name in METHODS:
         return METHODS[name]
     base, sep, spec = name.partition(":")
@@ -273,7 +275,10 @@ def method(name: str) -> Method:
         shard_kwargs = {k: pairs.pop(k) for k in SHARD_KEYS if k in pairs}
         ac = pairs.pop(AC_KEY, "none")
         float8 = pairs.pop(FLOAT8_KEY, "false").lower() in ("true", "1")
+        tp = pairs.pop(TP_KEY, "false").lower() in ("true", "1")
         options = parse_option_strings([f"{k}={v}" for k, v in pairs.items()])
-        return Method(_graphshard_compiled(options, shard_kwargs, ac, float8=float8), True,
-                      f"graphshard with {shard_kwargs | {'ac': ac, 'float8': float8} | options}")
+        return Method(_graphshard_compiled(options, shard_kwargs, ac, tensor_parallel=tp,
+                                           float8=float8), True,
+                      f"graphshard with {shard_kwargs | {'ac': ac, 'float8': float8, 'tp': tp} | options}",
+                      tensor_parallel=tp)
     raise KeyError(name)

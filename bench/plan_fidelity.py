@@ -4,7 +4,7 @@
     python -m graphshard.bench.plan_fidelity --cluster local.json --json fidelity.json
 
 For each configuration below (two built-in models, world sizes 2 and 3, strategies, activation
-checkpointing, dtypes, reshard and prefetch options) the planner's prediction (`plan.predict`:
+checkpointing, dtypes, reshard and prefetch options, tensor parallelism on a 1x2 mesh) the planner's prediction (`plan.predict`:
 the same capture, passes and cost model as `graphshard plan`) is set beside the bench's
 measurement (the configuration as a graphshard bench method, timed interleaved with the others
 of its model and world size, median step; peak memory counted by the allocator on every thread).
@@ -35,6 +35,7 @@ class Case:
     keep: str = "last"  # "all": shard_grad_op
     prefetch: int = 1
     bucket_mb: float = 64.0
+    tp: int = 1  # tensor-parallel degree: a (world / tp, tp) mesh, the model's own TP plan
     model_args: dict = field(default_factory=dict, hash=False)
 
     @property
@@ -44,13 +45,16 @@ class Case:
                  f"ac={self.ac}", f"prefetch={self.prefetch}", f"bucket_mb={self.bucket_mb:g}"]
         if self.param_dtype != "float32":
             parts += [f"param_dtype={self.param_dtype}", "reduce_dtype=float32"]
+        if self.tp > 1:
+            parts.append("tp=true")
         return "graphshard:" + "+".join(parts)
 
     @property
     def label(self) -> str:
         return (f"{self.model} ws{self.world} {'shard_grad_op' if self.keep == 'all' else self.strategy}"
                 f" ac={self.ac} {'bf16' if self.param_dtype != 'float32' else 'fp32'} "
-                f"prefetch={self.prefetch} bucket={self.bucket_mb:g}")
+                f"prefetch={self.prefetch} bucket={self.bucket_mb:g}"
+                + (f" tp={self.tp}" if self.tp > 1 else ""))
 
 
 CASES = [
@@ -64,6 +68,8 @@ CASES = [
     Case("llama", 2, 8, param_dtype="bfloat16"),
     Case("transformer", 3, 6),
     Case("llama", 3, 6, ac="full"),
+    Case("llama", 2, 8, tp=2),
+    Case("llama", 2, 8, tp=2, param_dtype="bfloat16"),
 ]
 
 
@@ -88,9 +94,9 @@ def measure(cases: list[Case], steps: int, repeats: int, warmup: int) -> dict[Ca
     measured = {}
     groups: dict[tuple, list[Case]] = {}
     for case in cases:
-        groups.setdefault((case.model, case.world, case.batch), []).append(case)
-    for (model, world, batch), group in groups.items():
-        cfg = BenchConfig(model=model, nproc=world, methods=tuple(c.method for c in group),
+        groups.setdefault((case.model, case.world, case.batch, case.tp), []).append(case)
+    for (model, world, batch, tp), group in groups.items():
+        cfg = BenchConfig(model=model, nproc=world, tp=tp, methods=tuple(c.method for c in group),
                           batch=batch, seq=SEQ, steps=steps, repeats=repeats, warmup=warmup)
         summary = summarize(cfg, *run(cfg))
         for case in group:
@@ -118,7 +124,9 @@ def predict_all(cases: list[Case], cluster) -> dict[Case, dict]:
 
     predicted = {}
     for case in cases:
-        layout = Layout(case.strategy, case.world, case.ac, case.param_dtype, case.batch // case.world)
+        data_parallel = case.world // case.tp  # the TP ranks of a data-parallel rank share its rows
+        layout = Layout(case.strategy, data_parallel, case.ac, case.param_dtype,
+                        case.batch // data_parallel, case.tp)
         config = predict(case.model, case.world, cluster, case.batch, SEQ, layout,
                          Knobs(case.keep, case.prefetch, case.bucket_mb), case.model_args)
         predicted[case] = {"step_s": config.step_s, "peak_bytes": config.peak_memory_bytes}

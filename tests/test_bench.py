@@ -191,6 +191,9 @@ def test_a_graphshard_variant_sets_strategy_dtype_checkpointing_and_options(fake
                for block in transformer_blocks(workload.model))  # checkpointed
     assert "'prefetch': 2" in variant.description and "'bucket_mb': 25.0" in variant.description
     assert compiled is not workload.model  # torch.compile's wrapper
+    assert not variant.tensor_parallel
+    # tp=true: trained on the (dp, tp) mesh, the model's TP plan first (the fidelity's TP rows)
+    assert method("graphshard:tp=true+prefetch=2").tensor_parallel
     with pytest.raises(ValueError, match="prefetch"):
         method("graphshard:prefetch=soon")
 
