@@ -13,15 +13,16 @@ import torch.distributed as dist
 import torch.nn as nn
 from torch.utils.checkpoint import checkpoint
 
-pytest.importorskip("torchao.float8")
+# torchao is the float8 extra, part of the set-up and of CI: without it these tests fail
+import torchao.float8  # noqa: F401
 
-import graphshard  # noqa: E402
-from graphshard.compiler.backend import GraphshardCompiler  # noqa: E402
-from graphshard.compiler.options import GraphshardOptions  # noqa: E402
-from graphshard.passes import meta_keys  # noqa: E402
-from graphshard.passes.graph_utils import (ALL_REDUCE, collective_kind, collective_params,  # noqa: E402
+import graphshard
+from graphshard.compiler.backend import GraphshardCompiler
+from graphshard.compiler.options import GraphshardOptions
+from graphshard.passes import meta_keys
+from graphshard.passes.graph_utils import (ALL_REDUCE, collective_kind, collective_params,
                                            is_collective)
-from graphshard.tools.launch import run_local  # noqa: E402
+from graphshard.tools.launch import run_local
 
 STEPS, ROWS_PER_RANK, LR = 3, 8, 0.1
 FLOAT8 = torch.float8_e4m3fn
