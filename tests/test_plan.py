@@ -192,6 +192,28 @@ def test_collectives_pay_the_link_their_group_spans():
     assert slowdown["full_shard"] > 2 * slowdown["hybrid_shard"] > 0, (steps, slowdown)
 
 
+@pytest.mark.slow  # two searches
+def test_hybrid_groups_are_tried_around_the_best_full_shard_layouts(monkeypatch):
+    """Every full_shard layout is captured; hybrid shard groups only for the best of them
+    (TP degree, AC, dtype, micro-batch; the best one here, three by default): the same best
+    as the exhaustive search on this cluster."""
+    from graphshard.tools.plan import search
+
+    monkeypatch.setattr(search, "HYBRID_TRIED_FOR", 1)
+    args = dict(model_args={"dim": 128}, ac_modes=("none",), dtypes=("bfloat16",),
+                knobs=(planner.Knobs("last", 1, 64.0),), tp_sizes=(1, 2))
+    staged = planner.plan("llama", 16, PRESETS["h100"], 16, 32, **args)  # it has a TP plan
+    every = planner.plan("llama", 16, PRESETS["h100"], 16, 32, exhaustive=True, **args)
+    tried = {c.layout for c in staged}
+    full = {layout for layout in (c.layout for c in every) if layout.strategy == "full_shard"}
+    hybrid = {c.layout for c in every} - full
+    assert full <= tried and len(full) == 3 and len(hybrid) == 3  # TP 1; TP 2 at micro 2, 1
+    best = search.best_layouts([c for c in staged if c.layout.strategy == "full_shard"], 1)
+    assert {(layout.tp, layout.ac, layout.param_dtype, layout.micro_batch)
+            for layout in tried - full} == best and len(tried - full) == 1
+    assert (staged[0].layout, staged[0].step_s) == (every[0].layout, every[0].step_s)
+
+
 def test_ranks_beyond_a_nodes_compute_slots_share_it():
     """3 ranks on a 2-core machine compute at 2/3 speed each; 2 ranks, or GPUs, at full speed."""
     cpu = dataclasses.replace(PRESETS["a100"], compute_slots_per_node=2, devices_per_node=None)

@@ -46,6 +46,9 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--tp", default="1,2,4,8", metavar="N[,N...]",
                    help="tensor-parallel degrees to try, within a node (default 1,2,4,8: those "
                         "that fit a node and the model's heads)")
+    p.add_argument("--exhaustive", action="store_true",
+                   help="try hybrid shard groups with every layout, not only with the best three "
+                        "full_shard ones (several times slower on clusters of many nodes)")
     p.add_argument("--top", type=int, default=10, help="rows of the table")
     p.add_argument("--out", default="graphshard_plan.json", help="the best configuration (JSON)")
     p.add_argument("--json", help="every configuration tried, best first")
@@ -112,7 +115,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         started = time.perf_counter()
         configs = plan(args.target, args.devices, cluster, args.global_batch, args.seq,
                        model_args=model_args, ac_modes=ac_modes, dtypes=dtypes,
-                       tp_sizes=tp_sizes, workers=args.jobs, progress=progress)
+                       tp_sizes=tp_sizes, workers=args.jobs, progress=progress,
+                       exhaustive=args.exhaustive)
         took = time.perf_counter() - started
         if not configs[0].fits:
             smallest = min(configs, key=lambda c: c.peak_memory_bytes)

@@ -54,8 +54,16 @@ def check_plan_input(devices: int, cluster, global_batch: int) -> None:
 def plan(target: str, devices: int, cluster, global_batch: int, seq: int, *,
          model_args: dict | None = None, ac_modes: Sequence[str] = ("none", "full", "selective"),
          dtypes: Sequence[str] = ("bfloat16", "float32"), knobs: Sequence[Knobs] = KNOBS,
-         tp_sizes: Sequence[int] = TP_DEGREES, workers: int = 1, progress: Callable[[str], None] = lambda message: None) -> list[Config]:
-    """Every configuration, best first (fitting ones by step time, then the rest by peak)."""
+         tp_sizes: Sequence[int] = TP_DEGREES, workers: int = 1,
+         progress: Callable[[str], None] = lambda message: None,
+         exhaustive: bool = False) -> list[Config]:
+    """The configurations, best first (fitting ones by step time, then the rest by peak).
+
+    Every layout with full_shard, then hybrid shard groups only for the best
+    `HYBRID_TRIED_FOR` of those (their TP degree, checkpointing, dtype and micro-batch):
+    hybrid groups trade memory for inter-node traffic around a layout that already fits and
+    runs fast, and they are most of the layouts on a cluster of many nodes. `exhaustive`:
+    every layout."""
     model_args = dict(model_args or {})
     check_plan_input(devices, cluster, global_batch)
     if "float8" in dtypes and cluster.float8_flops_per_s is None:
@@ -77,18 +85,19 @@ def plan(target: str, devices: int, cluster, global_batch: int, seq: int, *,
             "them, trains an equal share): use a multiple of the device count")
     candidates = layouts(devices, cluster.devices_per_node, global_batch, ac_modes, dtypes,
                          tp_sizes)
+    hybrid = [layout for layout in candidates if layout.strategy != "full_shard"]
+    first = candidates if exhaustive else [c for c in candidates if c.strategy == "full_shard"]
     configs: list[Config] = []
     skipped: list[str] = []  # why a layout could not be captured (its TP degree)
     started = time.perf_counter()
-    jobs = [(target, layout, devices, seq, n, tuple(knobs), cluster, model_args)
-            for layout in candidates for n in probe_sizes]
-    progress(f"{len(candidates)} layouts x {len(probe_sizes)} captures, {len(knobs)} option sets "
-             f"each, on {workers} process(es)")
-    with capture_pool(workers) as pool:
+
+    def evaluate(stage: list[Layout]) -> None:
+        jobs = [(target, layout, devices, seq, n, tuple(knobs), cluster, model_args)
+                for layout in stage for n in probe_sizes]
         results = iter(pool.map(capture_job, jobs))
-        for index, layout in enumerate(candidates):
+        for index, layout in enumerate(stage):
             captured = [next(results) for _ in probe_sizes]
-            done = f"[{time.perf_counter() - started:5.1f} s] layout {index + 1}/{len(candidates)}"
+            done = f"[{time.perf_counter() - started:5.1f} s] layout {index + 1}/{len(stage)}"
             unsplittable = next((c for c in captured if isinstance(c, str)), None)
             if unsplittable is not None:
                 progress(f"{done} skipped: {unsplittable}")
@@ -106,7 +115,40 @@ def plan(target: str, devices: int, cluster, global_batch: int, seq: int, *,
                                        cluster.device_memory_bytes)
                     if auto is not None:
                         configs.append(auto)
+
+    progress(f"{len(first)} layouts x {len(probe_sizes)} captures, {len(knobs)} option sets "
+             f"each, on {workers} process(es)")
+    with capture_pool(workers) as pool:
+        evaluate(first)
+        if hybrid and not exhaustive:
+            best = best_layouts(configs, HYBRID_TRIED_FOR)
+            second = [layout for layout in hybrid if _but_strategy(layout) in best]
+            progress(f"hybrid shard groups for the best {len(best)} full_shard layouts: "
+                     f"{len(second)} layouts ({len(hybrid) - len(second)} left out; "
+                     "--exhaustive tries them all)")
+            evaluate(second)
     if not configs:
         raise PlanError(f"{target}: no layout could be captured: {skipped[0]}")
-    configs.sort(key=lambda c: (not c.fits, c.step_s if c.fits else c.peak_memory_bytes))
+    configs.sort(key=_best_first)
     return configs
+
+
+HYBRID_TRIED_FOR = 3  # full_shard layouts whose hybrid shard groups the search tries
+
+
+def _best_first(config: Config) -> tuple:
+    return (not config.fits, config.step_s if config.fits else config.peak_memory_bytes)
+
+
+def _but_strategy(layout: Layout) -> tuple:
+    return (layout.tp, layout.ac, layout.param_dtype, layout.micro_batch)
+
+
+def best_layouts(configs: list[Config], count: int) -> set[tuple]:
+    """The `count` best layouts of `configs` (each by its best option set), strategy left out."""
+    best: list[tuple] = []
+    for config in sorted(configs, key=_best_first):
+        key = _but_strategy(config.layout)
+        if key not in best:
+            best.append(key)
+    return set(best[:count])
