@@ -119,6 +119,7 @@ def _plan_small_llama(tmp_path, dtypes: str, tp: str) -> tuple[list[dict], str]:
     return json.loads((tmp_path / "all.json").read_text())["configs"], printed.getvalue()
 
 
+@pytest.mark.slow  # whole searches
 def test_the_search_covers_tp_degrees_and_a_tp_configuration_builds_as_written(tmp_path):
     configs, printed = _plan_small_llama(tmp_path, "bf16", "1,2,4")
     # tp 4 would cut the 2 KV heads: skipped; tp 2 runs over 4 data-parallel ranks
@@ -172,6 +173,7 @@ def test_float8_is_searched_priced_at_one_byte_a_gathered_element_and_builds_as_
         dist.destroy_process_group()
 
 
+@pytest.mark.slow  # whole searches
 def test_collectives_pay_the_link_their_group_spans():
     h100 = PRESETS["h100"]
     assert h100.link(spans_nodes=False) is h100
@@ -234,6 +236,7 @@ def test_ranks_beyond_a_nodes_compute_slots_share_it():
     assert steps["sharing"] == pytest.approx(1.5 * steps["own device"], rel=0.02), steps
 
 
+@pytest.mark.slow  # whole searches
 def test_depth_extrapolation_matches_a_whole_capture():
     """8 blocks predicted from 4- and 5-block captures vs the 8-block model captured whole."""
     knobs = (planner.Knobs("last", 1, 64.0), planner.Knobs("all", 1, 64.0))

@@ -139,6 +139,7 @@ def _max_diff(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
     return max((a[k] - b[k]).abs().max().item() for k in a)
 
 
+@pytest.mark.slow  # one launch of every configuration: cold Inductor compiles
 @pytest.mark.parametrize("name,steps", [(name, steps) for name, _, steps in CONFIGS],
                          ids=[name for name, _, _ in CONFIGS])
 def test_uneven_batches_train_as_ddp(runs, name, steps):
@@ -151,6 +152,7 @@ def test_uneven_batches_train_as_ddp(runs, name, steps):
             assert diff < TOL, f"{name}, rank {rank}, after step {step}: {diff:.3g} off DDP"
 
 
+@pytest.mark.slow  # the launch above
 @pytest.mark.parametrize("transport", list(BRANCH_OPTIONS))
 def test_a_rank_dependent_branch_fails_at_compile_time_on_every_rank(runs, transport):
     for rank in range(WORLD):
@@ -215,6 +217,7 @@ def eager_runs() -> list[dict]:
     return run_local(eager_worker, WORLD, timeout_s=EAGER_TIMEOUT_S)
 
 
+@pytest.mark.slow  # waits out the process group's timeout
 def test_eager_ranks_running_different_code_get_an_error_naming_the_parameters(eager_runs):
     for rank in range(WORLD):
         message = eager_runs[rank]["swapped"]
