@@ -250,6 +250,7 @@ def _mlp_data(step):
     return (torch.randn(8, 32, generator=torch.Generator().manual_seed(step)),)
 
 
+@pytest.mark.slow  # an Inductor launch; the quick loop's Inductor numerics: checkpointing's
 def test_a_residual_mlp_on_2d_activations_trains_like_the_reference():
     run = Training(model=_ResidualMLP, data=_mlp_data, loss=_square_mean, steps=2,
                    optimizer=functools.partial(torch.optim.SGD, lr=0.1), compile={})  # Inductor

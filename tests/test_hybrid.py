@@ -88,6 +88,7 @@ def test_hybrid_graph_groups(fake_pg):
 # --------------------------------------------------------------------------- gloo, 2 x 2
 
 
+@pytest.mark.slow  # four ranks on two cores; the combination matrix covers hybrid too
 def test_hybrid_2x2_matches_single_process():
     ref = reference(zoo_training(STEPS))
     # 4 processes on 2 cores: few configs (full no-sync is covered at world size 2 elsewhere).

@@ -25,7 +25,7 @@ def _check(result: TrainResult, ref: TrainResult, tol=1e-5):
         assert (result.params[name] - expected).abs().max().item() < tol, name
 
 
-@pytest.mark.parametrize("world_size", [2, 3])
+@pytest.mark.parametrize("world_size", [2, pytest.param(3, marks=pytest.mark.slow)])
 def test_matches_single_process_eager_and_compiled_without_inductor(world_size):
     # compile None: eager; PASSES_*: torch.compile with graphshard's passes on / off, the
     # resulting graphs run without Inductor. One spawn for all runs keeps the test cheap.
