@@ -454,6 +454,15 @@ def clear_dtensor_caches() -> None:
     _gen_transform_infos.cache_clear()
 
 
+def all_reduce_min(tensor: torch.Tensor, mesh) -> torch.Tensor:
+    """The elementwise minimum of `tensor` over the 1-D `mesh`, as a traceable functional
+    collective (a float8 weight's scale over its TP group). Public replacement: none
+    (torch.distributed's all_reduce is in place and not traced as a graph collective)."""
+    from torch.distributed import _functional_collectives as funcol
+
+    return funcol.all_reduce(tensor, "min", mesh)
+
+
 def is_strided_shard(placement) -> bool:
     """Whether `placement` is a `_StridedShard` (not is_shard()). Public replacement: none."""
     from torch.distributed.tensor.placement_types import _StridedShard

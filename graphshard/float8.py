@@ -19,15 +19,21 @@ no call after the optimizer step. The weight's gradient is reduced in high preci
 from __future__ import annotations
 
 import sys
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn as nn
+from torch.distributed.tensor import DTensor
 
+from graphshard import _torch_compat as compat
 from graphshard.compiler.ops import call_float8_scale, call_reduce_grad, call_unshard
 from graphshard.passes.markers import ReduceSpec, UnshardSpec
 from graphshard.state import GradSync, SyncMode
 
 _FSDP_UTILS = "torchao.float8.fsdp_utils"
+
+if TYPE_CHECKING:
+    from graphshard.tensor_parallel import TensorParallelLayout
 
 
 def _torchao_weight_class() -> type | None:
@@ -49,7 +55,7 @@ def unwrap_float8_weights(model: nn.Module) -> dict[int, torch.dtype]:
     params: dict[int, nn.Parameter] = {}
     for module_name, module in model.named_modules(remove_duplicate=False):
         for name, param in module._parameters.items():
-            if param is not None and isinstance(param, weight_class):
+            if param is not None and isinstance(_local(param), weight_class):
                 fqn = f"{module_name}.{name}" if module_name else name
                 owners.setdefault(id(param), []).append((fqn, module, name))
                 params[id(param)] = param
@@ -60,11 +66,21 @@ def unwrap_float8_weights(model: nn.Module) -> dict[int, torch.dtype]:
         old = params[key]
         # torchao's weight has no public accessor of its tensor and float8 dtype; these are
         # the fields its own __tensor_flatten__ and FSDP2 hooks read.
-        new = nn.Parameter(old._tensor.detach(), requires_grad=old.requires_grad)
+        weight = _local(old)
+        tensor = weight._tensor.detach()
+        if isinstance(old, DTensor):  # a TP piece: the same DTensor over the plain tensor
+            tensor = DTensor.from_local(tensor, old.device_mesh, old.placements, run_check=False,
+                                        shape=old.shape, stride=old.stride())
+        new = nn.Parameter(tensor, requires_grad=old.requires_grad)
         for _, module, name in slots:
             module._parameters[name] = new
-        float8[id(new)] = old._dtype
+        float8[id(new)] = weight._dtype
     return float8
+
+
+def _local(param: torch.Tensor) -> torch.Tensor:
+    """A TP parameter's local piece (torchao's float8 weight sits inside the DTensor)."""
+    return param.to_local() if isinstance(param, DTensor) else param
 
 
 def _check_supported(fqn: str, module: nn.Module, name: str, float8_linear: type) -> None:
@@ -136,14 +152,20 @@ def _gradient_target(local: torch.Tensor, spec: UnshardSpec, sync: GradSync
 
 
 def read_float8_weight(module: nn.Module, local: torch.Tensor, spec: UnshardSpec,
-                       sync: GradSync) -> torch.Tensor:
-    """The full weight of a Float8Linear, gathered in float8 (module docstring)."""
+                       sync: GradSync, tensor_parallel: "TensorParallelLayout | None" = None
+                       ) -> torch.Tensor:
+    """The full weight of a Float8Linear, gathered in float8 (module docstring). Under tensor
+    parallelism: this rank's TP piece, scaled by the amax of the whole weight (the minimum
+    scale over the TP group: the scale falls as the amax grows), as the TP plan's DTensor."""
     from torchao.float8.float8_utils import to_fp8_saturated
 
     master = local.detach()
     scale = call_float8_scale(master, spec)
+    if tensor_parallel is not None:
+        scale = compat.all_reduce_min(scale, tensor_parallel.mesh)
     data = to_fp8_saturated(master.to(torch.float32) * scale, spec.float8_dtype)
     full = call_unshard(data, spec)
     target, reduce = _gradient_target(local, spec, sync)
     stand_in = _ShardGradient.apply(target, full.shape, spec.compute_dtype or local.dtype, reduce)
-    return _Float8Weight.apply(stand_in, full, scale, module.linear_mm_config)
+    weight = _Float8Weight.apply(stand_in, full, scale, module.linear_mm_config)
+    return weight if tensor_parallel is None else tensor_parallel.wrap(weight)

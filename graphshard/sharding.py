@@ -201,12 +201,6 @@ def shard(
         )
 
     layouts = _tensor_parallel_layouts(slots, mesh)
-    if layouts and float8:
-        raise ValueError(
-            "graphshard.shard: this model has torchao float8 all-gather weights and tensor-"
-            "parallel parameters; graphshard gathers float8 weights on a data-parallel mesh "
-            "only. Convert with Float8LinearConfig(enable_fsdp_float8_all_gather=False) to "
-            "train float8 with TP, or leave TP out")
     sharded: dict[int, nn.Parameter] = {}  # id(original) -> new: tied weights stay tied
     specs: dict[int, UnshardSpec] = {}
     per_module: dict[nn.Module, dict[str, UnshardSpec]] = {}

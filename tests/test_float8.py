@@ -11,6 +11,7 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.nn as nn
+from torch.distributed.tensor import DTensor
 from torch.utils.checkpoint import checkpoint
 
 # torchao is the float8 extra, part of the set-up and of CI: without it these tests fail
@@ -96,6 +97,9 @@ class Run:
     options: tuple[tuple[str, str], ...] = ()  # graphshard backend options (default: Inductor)
     compiled: bool = True  # graphshard: torch.compile (else its eager path)
     accumulation: str | None = None  # two micro-batches: "no_sync" before the last, or "plain"
+    # a (dp, tp) mesh of (world / 2, 2): each block's up Colwise, down Rowwise (torch's TP
+    # styles on the Float8Linears), then each system's data parallelism on "dp"
+    tp: bool = False
 
 
 @dataclass
@@ -103,6 +107,7 @@ class Result:
     losses: list[float] = field(default_factory=list)
     float8_gathers: dict[str, str] = field(default_factory=dict)  # param -> wire dtype, forward
     max_reduced: list[str] = field(default_factory=list)  # params whose scale is all-reduced MAX
+    min_reduces: int = 0  # all-reduces MIN (a TP piece's scale over the TP group)
     scaled_mms: int = 0
     widened_float8: int = 0  # casts of a float8 tensor to a wider dtype in the forward graph
     checkpoint: dict[str, bool] = field(default_factory=dict)
@@ -122,6 +127,8 @@ def _observe(result: Result, kind: str, stage: str, gm) -> None:
                 result.float8_gathers[name] = str(node.meta["val"].dtype)
         elif node.target is ALL_REDUCE and node.args[1] == "max":
             result.max_reduced.extend(collective_params(node))
+        elif node.target is ALL_REDUCE and node.args[1] == "min":
+            result.min_reduces += 1
         elif str(node.target) == "aten._scaled_mm.default":  # the float8 matmul
             result.scaled_mms += 1
         elif node.target is torch.ops.prims.convert_element_type.default:
@@ -130,9 +137,14 @@ def _observe(result: Result, kind: str, stage: str, gm) -> None:
                 result.widened_float8 += 1
 
 
+TP_PLAN = {"layers.*.up": "colwise", "layers.*.down": "rowwise"}
+
+
 def _mesh(world: int, run: Run):
     from torch.distributed.device_mesh import init_device_mesh
 
+    if run.tp:
+        return init_device_mesh("cpu", (world // 2, 2), mesh_dim_names=("dp", "tp"))
     if run.mesh_shape is None:
         return init_device_mesh("cpu", (world,))
     return init_device_mesh("cpu", run.mesh_shape, mesh_dim_names=("replicate", "shard"))
@@ -144,9 +156,12 @@ def _prepare(run: Run, world: int):
     else:
         torch.manual_seed(0)
         model = Net(run.ac)
+    mesh = _mesh(world, run)
+    if run.tp:
+        graphshard.parallelize(model, mesh["tp"], TP_PLAN)
+        mesh = mesh["dp"]
     if run.system == "replicated":
         return model
-    mesh = _mesh(world, run)
     if run.system == "fsdp2":
         from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
@@ -171,21 +186,30 @@ def worker(rank: int, world: int, runs: list[Run]) -> list[Result]:
             trained = torch.compile(model, backend=backend, fullgraph=True)
         optimizer = torch.optim.SGD(model.parameters(), lr=LR)
         generator = torch.Generator().manual_seed(1)
+        # TP ranks share their data-parallel rank's rows
+        replicas, replica = (world // 2, rank // 2) if run.tp else (world, rank)
+        if run.system == "fsdp2" and run.float8 and run.tp:
+            # the first step's weight scales from the whole weight, not from each TP piece
+            from torchao.float8 import precompute_float8_dynamic_scale_for_fsdp
+
+            precompute_float8_dynamic_scale_for_fsdp(model)
         for _ in range(STEPS):
             x = torch.randn(ROWS_PER_RANK * world, 20, generator=generator)
             y = torch.randn(ROWS_PER_RANK * world, 20, generator=generator)
             if run.param_dtype is not None:
                 x = x.to(run.param_dtype)
-            x, y = x.chunk(world)[rank], y.chunk(world)[rank]
+            x, y = x.chunk(replicas)[replica], y.chunk(replicas)[replica]
             if run.accumulation is not None:
                 _accumulate_first_half(model, trained, x, y, result, run.accumulation)
                 x, y = x.chunk(2)[1], y.chunk(2)[1]
             loss = (trained(x).float() - y).square().mean()
             loss.backward()
             if run.system == "replicated":
+                group = _mesh(world, run)["dp"].get_group() if run.tp else None
                 for param in model.parameters():
-                    dist.all_reduce(param.grad)
-                    param.grad /= world
+                    grad = param.grad.to_local() if isinstance(param.grad, DTensor) else param.grad
+                    dist.all_reduce(grad, group=group)
+                    grad /= replicas
             optimizer.step()
             optimizer.zero_grad()
             if run.system == "fsdp2" and run.float8:
@@ -294,6 +318,25 @@ def test_float8_hybrid_shard_world_4():
     fsdp2, ours = run_local(worker, 4, runs)[0]
     _assert_matches(ours, fsdp2)
     _assert_float8_gathers(ours)
+
+
+@pytest.mark.slow
+def test_float8_with_tensor_parallelism_2x2_and_activation_checkpointing():
+    """Float8Linears parallelised with torch's Colwise/Rowwise styles on "tp", sharded on
+    "dp": each TP piece is gathered in float8 with the scale of the whole weight (MAX over the
+    shard group, then MIN of the scales over the TP group), as torchao's TP Float8Linear
+    computes it and FSDP2 + TP does once its scales are precomputed."""
+    runs = [Run("replicated", tp=True, ac=True), Run("fsdp2", tp=True, ac=True),
+            Run("graphshard", tp=True, ac=True), Run("replicated", tp=True, ac=True, float8=False)]
+    replicated, fsdp2, ours, unconverted = run_local(worker, 4, runs)[0]
+    _assert_matches(ours, replicated)
+    _assert_matches(ours, fsdp2)
+    assert max(abs(a - b) for a, b in zip(ours.losses, unconverted.losses)) > 1e-4  # float8 ran
+    assert set(ours.float8_gathers) == set(CONVERTED)  # every converted Linear is in the plan
+    assert set(ours.float8_gathers.values()) == {"torch.uint8"}
+    assert sorted(set(ours.max_reduced)) == sorted(CONVERTED)
+    assert ours.min_reduces == len(CONVERTED)
+    assert ours.scaled_mms >= len(CONVERTED) and ours.widened_float8 == 0
 
 
 def test_float8_shard_grad_op_and_no_shard_world_2():

@@ -87,7 +87,8 @@ def _param_property(name: str) -> property:
         if local.is_meta:  # static under torch.compile: Dynamo re-raises it as is
             raise RuntimeError(_still_on_meta(module))
         if spec.float8_dtype is not None:  # a torchao Float8Linear's weight: gathered in float8
-            return read_float8_weight(module, local, spec, record.model.grad_sync)
+            return read_float8_weight(module, local, spec, record.model.grad_sync,
+                                      record.tensor_parallel.get(name))
         full = None
         if local.requires_grad and torch.is_grad_enabled():
             # No-sync micro-batches (gradient accumulation) take another path; Dynamo guards
