@@ -274,8 +274,8 @@ def method(name: str) -> Method:
         pairs = dict(pair.partition("=")[::2] for pair in spec.split("+"))
         shard_kwargs = {k: pairs.pop(k) for k in SHARD_KEYS if k in pairs}
         ac = pairs.pop(AC_KEY, "none")
-        float8 = pairs.pop(FLOAT8_KEY, "false").lower() in ("true", "1")
-        tp = pairs.pop(TP_KEY, "false").lower() in ("true", "1")
+        float8, tp = (pairs.pop(key, "false").lower() in ("true", "1")
+                      for key in (FLOAT8_KEY, TP_KEY))
         options = parse_option_strings([f"{k}={v}" for k, v in pairs.items()])
         return Method(_graphshard_compiled(options, shard_kwargs, ac, tensor_parallel=tp,
                                            float8=float8), True,

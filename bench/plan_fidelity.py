@@ -4,8 +4,9 @@
     python -m graphshard.bench.plan_fidelity --cluster local.json --json fidelity.json
 
 For each configuration below (two built-in models, world sizes 2 and 3, strategies, activation
-checkpointing, dtypes, reshard and prefetch options, tensor parallelism on a 1x2 mesh) the planner's prediction (`plan.predict`:
-the same capture, passes and cost model as `graphshard plan`) is set beside the bench's
+checkpointing, dtypes, reshard and prefetch options, tensor parallelism on a 1x2 mesh) the
+planner's prediction (`plan.predict`: the same capture, passes and cost model as
+`graphshard plan`) is set beside the bench's
 measurement (the configuration as a graphshard bench method, timed interleaved with the others
 of its model and world size, median step; peak memory counted by the allocator on every thread).
 Reports per configuration the predicted and measured step time and peak memory and their

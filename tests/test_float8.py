@@ -188,6 +188,9 @@ def worker(rank: int, world: int, runs: list[Run]) -> list[Result]:
         generator = torch.Generator().manual_seed(1)
         # TP ranks share their data-parallel rank's rows
         replicas, replica = (world // 2, rank // 2) if run.tp else (world, rank)
+        # "replicated": gradients all-reduced over the data-parallel ranks (all, without TP)
+        replica_group = (_mesh(world, run)["dp"].get_group()
+                         if run.system == "replicated" and run.tp else None)
         if run.system == "fsdp2" and run.float8 and run.tp:
             # the first step's weight scales from the whole weight, not from each TP piece
             from torchao.float8 import precompute_float8_dynamic_scale_for_fsdp
@@ -205,10 +208,9 @@ def worker(rank: int, world: int, runs: list[Run]) -> list[Result]:
             loss = (trained(x).float() - y).square().mean()
             loss.backward()
             if run.system == "replicated":
-                group = _mesh(world, run)["dp"].get_group() if run.tp else None
                 for param in model.parameters():
                     grad = param.grad.to_local() if isinstance(param.grad, DTensor) else param.grad
-                    dist.all_reduce(grad, group=group)
+                    dist.all_reduce(grad, group=replica_group)
                     grad /= replicas
             optimizer.step()
             optimizer.zero_grad()

@@ -95,7 +95,7 @@ def _graph_schedule(dynamo_key: str, graph_kind: str) -> str:
     return f"{_PREFIX}/graph/{dynamo_key}/{graph_kind}"
 
 
-_loaded_here: list[str] = []  # the Dynamo graphs this process loaded instead of compiling
+_loaded_here: set[str] = set()  # the Dynamo graphs this process loaded instead of compiling
 
 
 def record_served_from_cache(dynamo_key: str) -> None:
@@ -107,7 +107,7 @@ def record_served_from_cache(dynamo_key: str) -> None:
         store, rank = compat.default_store(), dist.get_rank()
         store.set(_loaded(rank, dynamo_key), "1")
         store.set(_loads(rank), dynamo_key)
-        _loaded_here.append(dynamo_key)
+        _loaded_here.add(dynamo_key)
 
 
 def _peers(gm: fx.GraphModule, rank: int) -> list[int]:
@@ -156,9 +156,7 @@ def check_schedule(gm: fx.GraphModule, graph_kind: str, *, dynamo_key: str | Non
                 dynamo_key is not None and store.check([_loaded(other, dynamo_key)])):
             return True, digest
         loads = store.get(_loads(other)).decode() if store.check([_loads(other)]) else ""
-        if loads:
-            if loads == dynamo_key:
-                return True, digest
+        if loads:  # another graph than this one (its load is `_loaded`, accepted above)
             theirs = schedule_of(loads)  # None until the rank that compiles it gets here
             return theirs == digest, theirs
         return False, store.get(latest(other)).decode() if store.check([latest(other)]) else None
