@@ -94,15 +94,19 @@ class _EvenMLP(torch.nn.Module):
 NATIVE = {"all_gather": "native", "reduce_scatter": "native"}  # the NCCL path's collectives
 
 
-def _host_compiles(rank: int, world: int, cache_dir: str) -> list[dict]:
-    """Per option set, in its own cold cache directory: a fresh model compiled and stepped
-    twice (fused AdamW); the losses, the final parameters and the cache counters."""
+HOST_RUNS = (("once", NATIVE), ("every_rank", NATIVE | {"compile_once_per_host": False}),
+             ("all_to_all", None))
+
+
+def _host_compiles(rank: int, world: int, cache_dir: str, runs=HOST_RUNS) -> list[dict]:
+    """Per option set, in its own cache directory (cold unless an earlier launch filled it): a
+    fresh model compiled and stepped twice (fused AdamW); the losses, the final parameters and
+    the cache counters."""
     import graphshard
     from torch._dynamo.utils import counters
 
     results = []
-    for name, options in (("once", NATIVE), ("every_rank", NATIVE | {"compile_once_per_host": False}),
-                          ("all_to_all", None)):
+    for name, options in runs:
         os.environ["TORCHINDUCTOR_CACHE_DIR"] = os.path.join(cache_dir, name)
         torch._dynamo.reset()
         before = {key: counters[kind][key] for kind, key in COUNTERS}
@@ -148,3 +152,28 @@ def test_one_rank_per_host_compiles_and_the_others_load_its_result(tmp_path):
         for name, value in own["params"].items():
             torch.testing.assert_close(loaded["params"][name], value, atol=0, rtol=0)
     assert runs["once"][0]["losses"] != runs["once"][1]["losses"]  # the ranks' batches differ
+
+
+AUTO = NATIVE | {"reshard_after_forward": "auto", "memory_budget_mb": 1000.0}
+AUTO_RUNS = (("auto_once", AUTO), ("auto_every_rank", AUTO | {"compile_once_per_host": False}))
+
+
+@pytest.mark.slow
+def test_auto_reshard_compiles_once_per_host_and_its_choice_is_this_jobs(tmp_path):
+    """"auto" agrees on its choice by a collective during the compile: the rank that loads
+    joins it, so one rank compiles; a later job compiles again (its entry is salted with the
+    job) with the kernels from the FX graph cache, the other rank loading it."""
+    first = run_local(_host_compiles, 2, str(tmp_path), AUTO_RUNS)
+    once = sorted((ranks[0] for ranks in first), key=lambda r: r["autograd_cache_hit"])
+    assert (once[0]["autograd_cache_miss"], once[0]["autograd_cache_hit"]) == (1, 0), once[0]
+    assert (once[1]["autograd_cache_hit"], once[1]["autograd_cache_miss"]) == (1, 0), once[1]
+    for loaded, own in ((ranks[0], ranks[1]) for ranks in first):
+        assert loaded["losses"] == own["losses"]
+        for name, value in own["params"].items():
+            torch.testing.assert_close(loaded["params"][name], value, atol=0, rtol=0)
+    again = sorted((ranks[0] for ranks in run_local(_host_compiles, 2, str(tmp_path), AUTO_RUNS[:1])),
+                   key=lambda r: r["autograd_cache_hit"])
+    assert (again[0]["autograd_cache_miss"], again[0]["fxgraph_cache_miss"]) == (1, 0), again[0]
+    assert (again[1]["autograd_cache_hit"], again[1]["autograd_cache_miss"]) == (1, 0), again[1]
+    for rerun, run in zip(sorted(again, key=lambda r: r["losses"]), sorted(once, key=lambda r: r["losses"])):
+        assert rerun["losses"] == run["losses"]

@@ -216,6 +216,27 @@ def test_hybrid_groups_are_tried_around_the_best_full_shard_layouts(monkeypatch)
     assert (staged[0].layout, staged[0].step_s) == (every[0].layout, every[0].step_s)
 
 
+@pytest.mark.slow  # three searches
+def test_layouts_whose_matmuls_alone_outlast_the_best_step_are_not_captured():
+    """Dtypes are searched fastest matmuls first; a slower dtype's layouts are captured only
+    where their matmul FLOPs at its peak could still beat the best step found. On a cluster
+    whose fp32 matmuls are 1000x slower, the fp32 layouts are left out, with the exhaustive
+    search's best, and each is slower there than that best; at the real fp32 peak this small
+    model's steps are overhead and traffic, so its fp32 layouts are captured."""
+    h100 = PRESETS["h100"]
+    slow_fp32 = dataclasses.replace(h100, flops_per_s=h100.flops_per_s / 1000)
+    args = dict(model_args={"dim": 128}, ac_modes=("none",), dtypes=("bfloat16", "float32"),
+                knobs=(planner.Knobs("last", 1, 64.0),), tp_sizes=(1,))
+    staged = planner.plan("llama", 8, slow_fp32, 8, 32, **args)
+    every = planner.plan("llama", 8, slow_fp32, 8, 32, exhaustive=True, **args)
+    assert {c.layout.param_dtype for c in staged} == {"bfloat16"}
+    left_out = [c for c in every if c.layout.param_dtype == "float32"]
+    assert left_out and min(c.step_s for c in left_out) > staged[0].step_s
+    assert (staged[0].layout, staged[0].step_s) == (every[0].layout, every[0].step_s)
+    assert {c.layout.param_dtype for c in planner.plan("llama", 8, h100, 8, 32, **args)} == {
+        "bfloat16", "float32"}
+
+
 def test_ranks_beyond_a_nodes_compute_slots_share_it():
     """3 ranks on a 2-core machine compute at 2/3 speed each; 2 ranks, or GPUs, at full speed."""
     cpu = dataclasses.replace(PRESETS["a100"], compute_slots_per_node=2, devices_per_node=None)
@@ -266,7 +287,7 @@ def test_auto_keeps_as_many_blocks_beyond_the_default_as_the_device_memory_allow
     mb = 1e6
 
     def probe(peak: float) -> planner.Probe:
-        return planner.Probe(step_s=1.0, exposed_comm_s=0.0, comm_bytes=0.0, forward_peak_bytes=0.0,
+        return planner.Probe(step_s=1.0, flops=0.0, exposed_comm_s=0.0, comm_bytes=0.0, forward_peak_bytes=0.0,
                              backward_peak_bytes=peak, state_bytes=0.0, gradient_bytes=0.0,
                              trainable_params=0.0, trainable_shard_elements=0.0)
 

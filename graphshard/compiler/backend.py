@@ -27,7 +27,8 @@ from graphshard.compiler.dynamo_graph import SplitContext, has_markers, split_co
 from graphshard.compiler.host_compile import (compile_once_per_host, host_compile_key,
                                               log_per_rank_compile, per_rank_compile_reason)
 from graphshard.compiler.options import GraphshardOptions
-from graphshard.compiler.partition import partition
+from graphshard.compiler import rank_agreement
+from graphshard.compiler.partition import agree_on_minimum, partition
 from graphshard.compiler.schedule_check import check_schedule, record_served_from_cache
 from graphshard.compiler.pipeline import StageObserver, run_pipeline
 from graphshard.passes.context import PassContext
@@ -146,7 +147,8 @@ class GraphshardCompiler:
             with compat.backward_compiled_with_forward():
                 compiled_fn = compile_once_per_host(
                     key, compile_graphs, announce=lambda: self.options.check_schedule
-                    and record_served_from_cache(dynamo_key))
+                    and record_served_from_cache(dynamo_key),
+                    join=lambda: agree_on_minimum(rank_agreement.NEUTRAL_MINIMUM))
         else:
             log_per_rank_compile(reason)
             compiled_fn = compile_graphs()

@@ -14,6 +14,7 @@ from graphshard import _torch_compat as compat
 from graphshard.compiler.cost_model import ClusterSpec
 from graphshard.compiler.dynamo_graph import SplitContext
 from graphshard.compiler.options import GraphshardOptions
+from graphshard.compiler.rank_agreement import job_nonce
 
 
 def reuses_cache(options: GraphshardOptions, *, aot_cache: bool, observed: bool) -> bool:
@@ -21,11 +22,11 @@ def reuses_cache(options: GraphshardOptions, *, aot_cache: bool, observed: bool)
     unchanged code skips tracing, partitioning and our passes, as plain torch.compile does).
     Not where the graphs themselves are wanted: by an observer (`graphshard dump`) or for
     `predicted_peak_bytes` (the bench: aot_cache=False); not for "eager", which produces
-    nothing Inductor can store; not for "auto", which agrees on its choice with the other
-    ranks during the compile (a rank served from the cache would never join that
-    collective)."""
-    return (aot_cache and not observed and options.compiler == "inductor"
-            and options.reshard_after_forward != "auto")
+    nothing Inductor can store. "auto" agrees on its choice with the other ranks by a
+    collective during the compile, so its entries are this job's only (`salt_cache_key`):
+    ranks on one host load their host's compile, a restart compiles again (Inductor's FX
+    graph cache serves the kernels)."""
+    return aot_cache and not observed and options.compiler == "inductor"
 
 
 def salt_cache_key(gm: fx.GraphModule, options: GraphshardOptions, cluster: ClusterSpec,
@@ -33,13 +34,16 @@ def salt_cache_key(gm: fx.GraphModule, options: GraphshardOptions, cluster: Clus
     """Make what the compiled graphs depend on beyond the Dynamo graph part of AOTAutograd's
     cache key for `gm`: our options, the cluster the cost model schedules for, graphshard's
     code, and the ranks the transport's graphs are specific to (ranks sharing a cache
-    directory must not load each other's). False, and nothing changed, where Dynamo itself
-    keyed the graph (precompile packaging): that key is not ours to replace."""
+    directory must not load each other's), and for "auto" the job (an entry made in another
+    job was decided without this job's collective, which every rank must join). False, and
+    nothing changed, where Dynamo itself keyed the graph (precompile packaging): that key is
+    not ours to replace."""
     if compat.cache_key_salt(gm) is not None:
         return False
     ranks = sorted(split.group_ranks.items())
+    job = job_nonce() if options.reshard_after_forward == "auto" else None
     compat.salt_aot_autograd_cache_key(gm, "graphshard-" + hashlib.sha256(
-        repr((options, cluster, _source_digest(), ranks)).encode()).hexdigest()[:32])
+        repr((options, cluster, _source_digest(), ranks, job)).encode()).hexdigest()[:32])
     return True
 
 

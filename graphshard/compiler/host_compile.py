@@ -31,6 +31,7 @@ import torch.distributed as dist
 
 from graphshard import _torch_compat as compat
 from graphshard.compiler.compile_cache import reuses_cache
+from graphshard.compiler import rank_agreement
 from graphshard.compiler.rank_agreement import agreement_store
 from graphshard.passes import meta_keys
 
@@ -51,34 +52,44 @@ def host_compile_key(code: str, salt: str, example_inputs: Sequence[Any]) -> str
 
 def compile_once_per_host(key: str, compile_graphs: Callable[[], Any], *,
                           announce: Callable[[], None] = lambda: None,
+                          join: Callable[[], None] = lambda: None,
                           wait_s: float = WAIT_S) -> Any:
     """`compile_graphs()` on the first rank to reach `key`; on the others, once it is done.
     `announce()` runs on a waiting rank before it waits (it tells peers it will load the
-    claimant's compile)."""
+    claimant's compile); `join()` runs on it for each agreement collective the claimant's
+    compile runs ("auto"'s minimum over ranks), which every rank must join."""
     store = agreement_store()
     if store is None:
         return compile_graphs()
     rank = str(dist.get_rank())
     claimant = store.compare_set(f"{_PREFIX}/{key}/claim", "", rank).decode()
+    collectives = f"{_PREFIX}/{key}/collectives"
     if claimant == rank:
         log.info("graphshard: rank %s compiles graph %s for the ranks of host %s", rank,
                  key[:8], socket.gethostname())
+        rank_agreement.before_agreement_collective = lambda: store.add(collectives, 1)
         try:
             return compile_graphs()
         finally:
+            rank_agreement.before_agreement_collective = None
             store.set(f"{_PREFIX}/{key}/done", "1")
     announce()
-    done, deadline, pause = [f"{_PREFIX}/{key}/done"], time.monotonic() + wait_s, 0.01
-    while not store.check(done):
+    done, deadline, pause, joined = [f"{_PREFIX}/{key}/done"], time.monotonic() + wait_s, 0.01, 0
+    while True:
+        finished = store.check(done)  # read before the count: a last collective is not missed
+        while joined < store.add(collectives, 0):
+            join()
+            joined += 1
+        if finished:
+            log.info("graphshard: rank %s loads graph %s compiled by rank %s", rank, key[:8],
+                     claimant)
+            break
         if time.monotonic() > deadline:
             log.warning("graphshard: rank %s waited %.0f s for rank %s's compile of graph %s; "
                         "compiling it itself", rank, wait_s, claimant, key[:8])
             break
         time.sleep(pause)
         pause = min(2 * pause, 0.2)
-    else:
-        log.info("graphshard: rank %s loads graph %s compiled by rank %s", rank, key[:8],
-                 claimant)
     return compile_graphs()
 
 
@@ -88,9 +99,6 @@ def per_rank_compile_reason(options, *, cached: bool, rank_specific: bool) -> st
     `rank_specific`: the lowered graphs name the rank's place in its groups."""
     if not options.compile_once_per_host:
         return "compile_once_per_host=False"
-    if options.reshard_after_forward == "auto":
-        return ("reshard_after_forward='auto' agrees on its choice with the other ranks by a "
-                "collective during the compile, which a rank served from the cache would skip")
     if options.compiler != "inductor":
         return f"compiler={options.compiler!r} produces nothing the compile caches store"
     if not (cached and compat.compile_caches_enabled()):

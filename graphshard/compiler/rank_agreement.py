@@ -13,6 +13,7 @@ running the schedule the other ranks run.
 from __future__ import annotations
 
 import hashlib
+import uuid
 from typing import Callable, Collection
 
 import torch.distributed as dist
@@ -61,17 +62,38 @@ def first_decision(key: str, decide: Callable[[], bool]) -> bool:
     return first_published(key, lambda: "1" if decide() else "0") == "1"
 
 
+# Set while this rank compiles a graph that other ranks of its host will load
+# (host_compile.py): called before each agreement collective, so that they join it.
+before_agreement_collective: Callable[[], None] | None = None
+# What a rank that joins an agreement collective for another's compile contributes to the
+# minimum: above any measure, so the ranks that measured decide.
+NEUTRAL_MINIMUM = 2**62
+
+
 def agreed_minimum(key: str, measure: Callable[[], int],
                    all_reduce_min: Callable[[int], int]) -> int:
     """The minimum over ranks of `measure()`, taken by `all_reduce_min` (a collective) at the
-    first compile, where every rank compiles, and published under `key`: a rank that later
-    recompiles alone reads it instead of joining a collective no other rank joins. No rank
-    can publish before every rank has joined the first collective, so none reads too early."""
+    first compile, where every rank compiles or joins for the compile it will load, and
+    published under `key`: a rank that later recompiles alone reads it instead of joining a
+    collective no other rank joins. No rank can publish before every rank has joined the
+    first collective, so none reads too early."""
     store, name = agreement_store(), f"{_PREFIX}/minimum/{key}"
     if store is None:
         return measure()
     if store.check([name]):
         return int(store.get(name))
-    agreed = all_reduce_min(measure())
+    value = measure()
+    if before_agreement_collective is not None:
+        before_agreement_collective()
+    agreed = all_reduce_min(value)
     store.set(name, str(agreed))
     return agreed
+
+
+def job_nonce() -> str | None:
+    """One random value per job (the first rank's), None in a single process: what keeps a
+    compile whose choice the ranks agree on by a collective ("auto") from being served by
+    another job's cache entry, made without this job's collective."""
+    if agreement_store() is None:
+        return None
+    return first_published("job", lambda: uuid.uuid4().hex)

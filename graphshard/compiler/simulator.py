@@ -42,6 +42,7 @@ class CollectiveEstimate:
 class GraphEstimate:
     total_s: float
     compute_s: float  # sum of compute node times
+    flops: int  # of the compute nodes (matmuls, convolutions, attention)
     comm_s: float  # sum of collective times
     exposed_comm_s: float  # total - compute: time compute spent blocked on collectives
     events: tuple[Event, ...]
@@ -123,6 +124,7 @@ def graph_estimate(gm: fx.GraphModule | fx.Graph, spec: ClusterSpec,
         raise ValueError(f"graph_estimate simulates numbers: world_size must be an int, a "
                          f"{{group_name: int}} mapping or None, got {world_size!r}")
     compute_t = comm_free = 0.0
+    flops = 0
     events: list[Event] = []
     issued: dict[fx.Node, tuple[CollectiveCost, float, float]] = {}
     for node in (gm.graph if isinstance(gm, fx.GraphModule) else gm).nodes:
@@ -146,9 +148,10 @@ def graph_estimate(gm: fx.GraphModule | fx.Graph, spec: ClusterSpec,
                     events.append(Event(node.name, "compute", compute_t, end - compute_t, "wait"))
                     compute_t = end
         else:
-            seconds = node_cost(node, spec).seconds
-            events.append(Event(node.name, "compute", compute_t, seconds, "compute"))
-            compute_t += seconds
+            cost = node_cost(node, spec)
+            events.append(Event(node.name, "compute", compute_t, cost.seconds, "compute"))
+            compute_t += cost.seconds
+            flops += cost.flops
 
     busy = [(e.start_s, e.start_s + e.dur_s) for e in events
             if e.lane == "compute" and e.kind == "compute" and e.dur_s > 0]
@@ -161,6 +164,6 @@ def graph_estimate(gm: fx.GraphModule | fx.Graph, spec: ClusterSpec,
             cost.seconds, hidden, max(cost.seconds - hidden, 0.0)))
     compute_s = sum(e.dur_s for e in events if e.kind == "compute")
     total = max(compute_t, comm_free)
-    return GraphEstimate(total, compute_s, sum(c.dur_s for c in collectives),
+    return GraphEstimate(total, compute_s, flops, sum(c.dur_s for c in collectives),
                          max(total - compute_s, 0.0), tuple(events), tuple(collectives),
                          graph_memory(gm, graph_kind))

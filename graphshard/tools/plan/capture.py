@@ -148,6 +148,7 @@ def _probes(compiler, joint, joint_inputs, kwargs, knobs: Sequence[Knobs], clust
                              estimates["backward"].memory)
         return Probe(
             step_s=sum(e.total_s for e in estimates.values()),
+            flops=sum(e.flops for e in estimates.values()),
             exposed_comm_s=sum(e.exposed_comm_s for e in estimates.values()),
             comm_bytes=_wire_bytes(estimates),
             forward_peak_bytes=memory.forward_peak_bytes,

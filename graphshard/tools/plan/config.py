@@ -33,6 +33,7 @@ class Probe:
     """One knob set on one capture (per device, one micro-batch step)."""
 
     step_s: float  # forward + backward
+    flops: float  # forward + backward, on this device
     exposed_comm_s: float
     comm_bytes: float  # wire bytes this device sends
     # StepMemory's parts, extrapolated each on its own: the peak is their max, which need not
@@ -123,6 +124,12 @@ class Config:
         }
 
 
+def matmul_peak(layout: Layout, cluster) -> float:
+    """The cluster's matmul peak for the layout's dtype (float8 layouts: the float8 peak)."""
+    return cluster.peak_flops(torch.float8_e4m3fn if layout.param_dtype == "float8"
+                              else dtype_from_name(layout.param_dtype))
+
+
 def finish(layout: Layout, knobs: Knobs, probe: Probe, *, accumulation: int, cluster, devices: int,
            tokens: int) -> Config:
     """The configuration a probe predicts: `accumulation` micro-batch steps and one optimizer
@@ -132,8 +139,7 @@ def finish(layout: Layout, knobs: Knobs, probe: Probe, *, accumulation: int, clu
     step = accumulation * (probe.step_s + cluster.step_overhead_s) + optimizer_s
     # Micro-batches after the first run with the earlier ones' gradients held.
     peak = probe.state_bytes + probe.transient_bytes + (probe.gradient_bytes if accumulation > 1 else 0)
-    peak_flops = cluster.peak_flops(torch.float8_e4m3fn if layout.param_dtype == "float8"
-                                    else dtype_from_name(layout.param_dtype))
+    peak_flops = matmul_peak(layout, cluster)
     limit = cluster.device_memory_bytes
     fits = limit is None or peak <= limit
     why = "" if fits else f"needs {human_bytes(peak)} per device > {human_bytes(limit)}"

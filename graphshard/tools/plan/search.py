@@ -10,7 +10,7 @@ from typing import Callable, Sequence
 
 from graphshard.tools.plan.auto import auto_config
 from graphshard.tools.plan.capture import capture_job, capture_probes
-from graphshard.tools.plan.config import Config, finish
+from graphshard.tools.plan.config import Config, finish, matmul_peak
 from graphshard.tools.plan.pool import capture_pool
 from graphshard.tools.plan.space import (KNOBS, TP_DEGREES, Knobs, Layout, PlanError, layouts,
                                          rank_batch, tp_degrees)
@@ -89,9 +89,12 @@ def plan(target: str, devices: int, cluster, global_batch: int, seq: int, *,
     first = candidates if exhaustive else [c for c in candidates if c.strategy == "full_shard"]
     configs: list[Config] = []
     skipped: list[str] = []  # why a layout could not be captured (its TP degree)
+    step_flops: dict[tuple, float] = {}  # (tp, ac): one device's matmul FLOPs in a step
     started = time.perf_counter()
 
     def evaluate(stage: list[Layout]) -> None:
+        if not exhaustive:
+            stage = _not_beaten(stage, configs, step_flops, cluster, progress)
         jobs = [(target, layout, devices, seq, n, tuple(knobs), cluster, model_args)
                 for layout in stage for n in probe_sizes]
         results = iter(pool.map(capture_job, jobs))
@@ -109,7 +112,10 @@ def plan(target: str, devices: int, cluster, global_batch: int, seq: int, *,
             finish_layout = functools.partial(finish, accumulation=share // layout.micro_batch,
                                               cluster=cluster, devices=devices, tokens=tokens)
             for knob in knobs:
-                configs.append(finish_layout(layout, knob, at(knob)))
+                probe = at(knob)
+                flops = step_flops.get((layout.tp, layout.ac), float("inf"))
+                step_flops[(layout.tp, layout.ac)] = min(flops, probe.flops * share // layout.micro_batch)
+                configs.append(finish_layout(layout, knob, probe))
                 if knob.keep == "last" and depth:
                     auto = auto_config(layout, at, depth, knob, finish_layout,
                                        cluster.device_memory_bytes)
@@ -119,7 +125,10 @@ def plan(target: str, devices: int, cluster, global_batch: int, seq: int, *,
     progress(f"{len(first)} layouts x {len(probe_sizes)} captures, {len(knobs)} option sets "
              f"each, on {workers} process(es)")
     with capture_pool(workers) as pool:
-        evaluate(first)
+        # the dtypes with the fastest matmuls first: a slower dtype's layouts are captured
+        # only where their matmuls alone could still beat the best step found
+        for peak in sorted({matmul_peak(layout, cluster) for layout in first}, reverse=True):
+            evaluate([layout for layout in first if matmul_peak(layout, cluster) == peak])
         if hybrid and not exhaustive:
             best = best_layouts(configs, HYBRID_TRIED_FOR)
             second = [layout for layout in hybrid if _but_strategy(layout) in best]
@@ -131,6 +140,31 @@ def plan(target: str, devices: int, cluster, global_batch: int, seq: int, *,
         raise PlanError(f"{target}: no layout could be captured: {skipped[0]}")
     configs.sort(key=_best_first)
     return configs
+
+
+def _not_beaten(stage: list[Layout], configs: list[Config], step_flops: dict, cluster,
+                progress: Callable[[str], None]) -> list[Layout]:
+    """The layouts of `stage` that could still beat the best fitting configuration found: a
+    step takes at least its matmuls' FLOPs at the dtype's peak (the cost model's compute time
+    of a node is never below its FLOPs at the peak, and compute runs one node at a time), and
+    those FLOPs, one device's in a step, are the same for every layout of one TP degree and
+    checkpointing mode (micro-batches split the same rows; shard groups and dtypes do not
+    change the matmuls)."""
+    fitting = [config.step_s for config in configs if config.fits]
+    if not fitting:
+        return stage
+    best = min(fitting)
+
+    def bound(layout: Layout) -> float:
+        return step_flops.get((layout.tp, layout.ac), 0.0) / matmul_peak(layout, cluster)
+
+    kept = [layout for layout in stage if bound(layout) < best]
+    if len(kept) < len(stage):
+        slowest = min(bound(layout) for layout in stage if layout not in kept)
+        progress(f"{len(stage) - len(kept)} layouts left out: their matmuls alone take at least "
+                 f"{slowest * 1e3:,.0f} ms a step at their dtype's peak, the best step found "
+                 f"{best * 1e3:,.1f} ms (--exhaustive captures them)")
+    return kept
 
 
 HYBRID_TRIED_FOR = 3  # full_shard layouts whose hybrid shard groups the search tries
