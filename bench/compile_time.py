@@ -16,7 +16,10 @@ restart on unchanged code). Methods:
   options (on gloo, the all-to-all transports: each rank compiles its own graphs);
 - graphshard_native: the same with all_gather="native", reduce_scatter="native" (the NCCL
   path's collectives): rank-invariant graphs, so one rank per host compiles and the others load
-  its result from the compile caches.
+  its result from the compile caches;
+- graphshard_native_auto: the same with reshard_after_forward="auto" (its choice agreed by a
+  collective during the compile, which the loading ranks join; a warm restart compiles again,
+  its kernels from the FX graph cache).
 
 Rounds interleave the methods (cold then warm for each), so load on a shared machine affects
 each alike; the table shows the median and the range over rounds, and the warm run's hit and
@@ -43,8 +46,12 @@ from tabulate import tabulate
 from graphshard.bench.workload import build_workload
 from graphshard.tools.arguments import parse_model_args
 
-METHODS = {"torch_compile": None, "graphshard": None,
-           "graphshard_native": {"all_gather": "native", "reduce_scatter": "native"}}
+NATIVE = {"all_gather": "native", "reduce_scatter": "native"}
+METHODS = {"torch_compile": None, "graphshard": None, "graphshard_native": NATIVE,
+           # "auto" agrees on its choice by a collective during the compile (a budget every
+           # configuration fits: the compile's work, not the choice, is measured)
+           "graphshard_native_auto": NATIVE | {"reshard_after_forward": "auto",
+                                               "memory_budget_mb": 100_000.0}}
 CACHE_COUNTERS = (("aot_autograd", "autograd_cache_hit"), ("aot_autograd", "autograd_cache_miss"),
                   ("inductor", "fxgraph_cache_hit"), ("inductor", "fxgraph_cache_miss"))
 
