@@ -113,8 +113,9 @@ def plan(target: str, devices: int, cluster, global_batch: int, seq: int, *,
                                               cluster=cluster, devices=devices, tokens=tokens)
             for knob in knobs:
                 probe = at(knob)
-                flops = step_flops.get((layout.tp, layout.ac), float("inf"))
-                step_flops[(layout.tp, layout.ac)] = min(flops, probe.flops * share // layout.micro_batch)
+                step = probe.flops * (share // layout.micro_batch)  # every micro-batch's
+                step_flops[(layout.tp, layout.ac)] = min(
+                    step, step_flops.get((layout.tp, layout.ac), float("inf")))
                 configs.append(finish_layout(layout, knob, probe))
                 if knob.keep == "last" and depth:
                     auto = auto_config(layout, at, depth, knob, finish_layout,
