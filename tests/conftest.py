@@ -7,6 +7,14 @@ import torch.distributed as dist
 os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", os.path.join(os.path.dirname(__file__), "..", ".cache", "inductor"))
 
 
+from graphshard.tools import launch  # noqa: E402  (after the cache directory is chosen)
+
+# A run whose rank a signal killed is relaunched once, with a warning carrying the crash report:
+# a gloo rank has aborted in native code, with no Python frame to show, about once in several
+# suite runs; a crash that recurs on the relaunch fails the test.
+launch.RELAUNCHES_AFTER_A_SIGNAL = 1
+
+
 @pytest.fixture
 def fake_pg(request):
     """A fake process group of the requested world size (default 8) in this one process."""

@@ -10,7 +10,8 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from graphshard.tools.launch import DistributedRunError, run_local
+from graphshard.tools import launch
+from graphshard.tools.launch import DistributedRunError, RankKilledError, run_local
 
 
 def _dies_at_step_two(rank: int, world: int):
@@ -42,12 +43,32 @@ def test_a_rank_that_dies_stops_the_others_quickly():
     assert time.monotonic() - start < 45
 
 
-def test_a_rank_killed_by_a_signal_is_reported_with_its_python_stack():
-    with pytest.raises(DistributedRunError) as error:
+def test_a_rank_killed_by_a_signal_is_reported_with_its_python_stack(monkeypatch):
+    monkeypatch.setattr(launch, "RELAUNCHES_AFTER_A_SIGNAL", 0)
+    with pytest.raises(RankKilledError) as error:
         run_local(_aborts_in_a_named_function, 2, timeout_s=60)
     message = str(error.value)
     assert "rank 1 exited with code -6" in message, message
     assert "_aborts_in_a_named_function" in message, message
+
+
+def _aborts_on_the_first_launch(rank: int, world: int, marker: str):
+    if rank == 1 and not os.path.exists(marker):
+        open(marker, "w").close()
+        os.abort()
+    dist.all_reduce(torch.ones(1))
+    return rank
+
+
+def test_a_run_is_relaunched_after_a_signal_with_a_warning_and_not_after_an_error(monkeypatch,
+                                                                                   tmp_path):
+    monkeypatch.setattr(launch, "RELAUNCHES_AFTER_A_SIGNAL", 1)
+    with pytest.warns(UserWarning, match=r"(?s)rank 1 exited with code -6.*relaunching the run \(1 of 1\)"):
+        assert run_local(_aborts_on_the_first_launch, 2, str(tmp_path / "aborted"), timeout_s=60) == [0, 1]
+    with pytest.raises(RankKilledError), pytest.warns(UserWarning, match="relaunching"):
+        run_local(_aborts_in_a_named_function, 2, timeout_s=60)  # every launch: the error stands
+    with pytest.raises(DistributedRunError, match="rank 1 exited with code 3"):
+        run_local(_dies_at_step_two, 2, timeout_s=60)  # a Python error is not relaunched
 
 
 def test_a_stuck_rank_fails_the_others_at_the_collective_timeout():

@@ -16,6 +16,7 @@ import socket
 import sys
 import tempfile
 import traceback
+import warnings
 from typing import Any, Callable
 
 import torch
@@ -36,6 +37,17 @@ _server_started_with: dict[str, str] | None = None
 
 class DistributedRunError(RuntimeError):
     """A rank of a local multi-process run failed."""
+
+
+class RankKilledError(DistributedRunError):
+    """A rank of a local multi-process run was killed by a signal (a native crash, the OOM
+    killer), not by an error its Python code raised."""
+
+
+# Relaunches of a run one of whose ranks a signal killed, each with a warning carrying the
+# crash report (0: none; the test suite relaunches once: a gloo rank aborts in native code, with
+# no Python frame to show, about once in several suite runs).
+RELAUNCHES_AFTER_A_SIGNAL = 0
 
 
 def free_port() -> int:
@@ -70,7 +82,7 @@ def _worker(rank: int, world_size: int, port: int, timeout_s: float, result_dir:
         torch.set_num_threads(threads)
     # a rank killed by a signal (an abort in the transport, a segfault) leaves its Python stack
     fault_file = open(os.path.join(result_dir, f"rank{rank}.fault"), "w")
-    faulthandler.enable(fault_file, all_threads=False)
+    faulthandler.enable(fault_file, all_threads=True)
     init_from_env(timeout_s)
     try:
         fn, args = pickle.loads(call)
@@ -99,6 +111,19 @@ def run_local(fn: Callable[..., Any], world_size: int, *args, timeout_s: float =
         raise ValueError(f"world_size must be >= 1, got {world_size}")
     if threads is None:
         threads = max(1, (os.cpu_count() or 1) // world_size)
+    for relaunch in range(RELAUNCHES_AFTER_A_SIGNAL + 1):
+        try:
+            return _run_once(fn, world_size, args, timeout_s, threads)
+        except RankKilledError as exc:
+            if relaunch == RELAUNCHES_AFTER_A_SIGNAL:
+                raise
+            warnings.warn(f"graphshard.run_local: {exc}\nrelaunching the run "
+                          f"({relaunch + 1} of {RELAUNCHES_AFTER_A_SIGNAL})", stacklevel=2)
+    raise AssertionError("unreachable")
+
+
+def _run_once(fn: Callable[..., Any], world_size: int, args: tuple, timeout_s: float,
+              threads: int) -> list[Any]:
     with tempfile.TemporaryDirectory(prefix="graphshard-run-") as result_dir:
         try:
             mp.start_processes(
@@ -109,7 +134,8 @@ def run_local(fn: Callable[..., Any], world_size: int, *args, timeout_s: float =
         except mp.ProcessRaisedException as exc:
             raise DistributedRunError(_first_error(result_dir) or str(exc)) from None
         except mp.ProcessExitedException as exc:
-            raise DistributedRunError(
+            error = RankKilledError if exc.exit_code < 0 else DistributedRunError
+            raise error(
                 f"rank {exc.error_index} exited with code {exc.exit_code} (killed or crashed); "
                 "the other ranks were stopped" + _fault_report(result_dir, exc.error_index)
             ) from None
@@ -132,7 +158,9 @@ def _fault_report(result_dir: str, rank: int) -> str:
     """Where the rank was when a signal killed it (faulthandler's dump), if it left one."""
     path = os.path.join(result_dir, f"rank{rank}.fault")
     text = open(path).read().strip() if os.path.exists(path) else ""
-    return f"; its Python stack at the signal:\n{text}" if text else ""
+    returned = os.path.exists(os.path.join(result_dir, f"rank{rank}.pt"))
+    when = " (after it had returned its result, in its teardown)" if returned else ""
+    return f"; its Python stacks at the signal{when}:\n{text}" if text else when
 
 
 def _first_error(result_dir: str) -> str | None:
