@@ -5,6 +5,8 @@ from __future__ import annotations
 import subprocess
 import sys
 
+import pytest
+
 SCRIPT = r"""
 import sys, torch
 assert "graphshard" not in sys.modules
@@ -23,6 +25,7 @@ print("ok")
 """
 
 
+@pytest.mark.slow  # a fresh interpreter's compile
 def test_backend_entry_point_in_fresh_interpreter_compiles_unsharded_model_like_inductor(tmp_path):
     proc = subprocess.run([sys.executable, "-c", SCRIPT], capture_output=True, text=True,
                           timeout=600, cwd=tmp_path)

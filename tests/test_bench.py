@@ -23,6 +23,7 @@ METHODS = ("ddp_eager", "fsdp2_eager")
 MODEL_ARGS = {"dim": 32, "n_layers": 1}
 
 
+@pytest.mark.slow  # the bench end to end
 @pytest.mark.timeout(180)
 def test_bench_smoke(tmp_path):
     out = tmp_path / "results.json"

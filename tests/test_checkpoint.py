@@ -184,6 +184,7 @@ def test_resume_at_2_with_interrupted_save(saved):
     _assert_state_close(results[0]["reloaded"], ref[0]["at_save"])
 
 
+@pytest.mark.slow  # the world-3 launch
 def test_resume_at_3_with_standard_dcp_calls(saved, ws3):
     root, ref = saved
     results, single_state, rng_state = ws3
@@ -215,6 +216,7 @@ def test_resume_at_1_compiled(saved):
     torch.testing.assert_close(result["draws"], ref[0]["draws"], atol=0, rtol=0)
 
 
+@pytest.mark.slow  # the world-3 launch
 def test_hybrid_resumes_a_flat_checkpoint_and_saves_one_that_loads_unsharded(world4, ws3):
     root, results = world4
     ref = [r["reference"] for r in results]
@@ -277,6 +279,7 @@ def test_graphshard_checkpoint_resumed_by_fsdp2(saved, ws2):
     _assert_continues(results, ref[0])
 
 
+@pytest.mark.slow  # the world-3 launch
 def test_fsdp2_checkpoint_resumed_by_graphshard(saved, ws2, ws3):
     # FSDP2 at world size 2 -> graphshard at 3 with checkpoint.load (no marker needed): the
     # FSDP2 run matched graphshard's up to the save, and the resumed run goes on as both would.
@@ -290,6 +293,7 @@ def test_fsdp2_checkpoint_resumed_by_graphshard(saved, ws2, ws3):
     _assert_continues(results, ref[0])
 
 
+@pytest.mark.slow  # the world-3 launch
 def test_plain_dcp_checkpoints_load_and_export(saved, ws2, ws3, tmp_path):
     from safetensors.torch import load_file
 
@@ -341,7 +345,8 @@ def test_root_and_nested_layouts_are_told_apart(tmp_path, nested):
     assert checkpoint.export(tmp_path / "c", tmp_path / "w.safetensors") == list(state)
 
 
-def test_unfinished_graphshard_save_is_incomplete_but_plain_dcp_is_not(saved, tmp_path):
+@pytest.mark.slow  # the world-3 launch (it writes the plain DCP checkpoint read here)
+def test_unfinished_graphshard_save_is_incomplete_but_plain_dcp_is_not(saved, ws3, tmp_path):
     # The marker guards graphshard's own saves: without it a directory holding graphshard.*
     # entries is an interrupted save, while a plain DCP checkpoint is complete with .metadata.
     partial = tmp_path / "partial"
@@ -460,6 +465,7 @@ def test_export_to_hugging_face_layout(saved, hf, ws2, tmp_path, capsys):
 # --------------------------------------------------------------------------- pretrained weights
 
 
+@pytest.mark.slow  # the world-3 launch
 @pytest.mark.parametrize("world", [2, 3])
 def test_load_pretrained_llama_matches_unsharded_original(hf, ws2, ws3, world):
     # World size 2: tied embeddings, one file; 3: untied, sharded files with an index.

@@ -18,6 +18,7 @@ def _run(*args, timeout=300):
                           text=True, timeout=timeout)
 
 
+@pytest.mark.slow  # the demo end to end
 def test_train_demo_compiled_shows_progress_losses_throughput_and_memory(tmp_path):
     # compiler=eager keeps the test fast: the graphshard passes run, Inductor is skipped
     plot = tmp_path / "loss.png"
@@ -107,6 +108,7 @@ def test_export_prints_no_torch_distributed_warning(tmp_path):
     assert proc.stderr == "" and "wrote 1 tensors" in proc.stdout
 
 
+@pytest.mark.slow  # the demo end to end
 def test_train_demo_under_torchrun():
     proc = subprocess.run(
         [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",

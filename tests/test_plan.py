@@ -39,6 +39,7 @@ def planned(tmp_path_factory):
             **{name: json.loads((tmp / f"{name}.json").read_text()) for name in ("all", "best", "trace")}}
 
 
+@pytest.mark.slow  # the planner's CLI search
 def test_every_configuration_is_reported_best_first(planned):
     configs = planned["all"]["configs"]
     # 2 strategies x 2 AC, 6 option sets each (+ "auto" where distinct)
@@ -59,6 +60,7 @@ def test_every_configuration_is_reported_best_first(planned):
     assert planned["trace"]["traceEvents"], "the trace of the best configuration is empty"
 
 
+@pytest.mark.slow  # the planner's CLI search
 def test_memory_is_printed_in_a_unit_that_fits(planned):
     """This model peaks at about 1 MiB: in GiB every cell would read 0.0."""
     rows = [line for line in planned["printed"].splitlines() if re.match(r"\s+\d+\s+\w+_shard", line)]
@@ -94,6 +96,7 @@ def _built_as_planned(config: dict, target: str, **model_args):
     return model
 
 
+@pytest.mark.slow  # the planner's CLI search
 def test_the_best_configuration_is_accepted_as_it_is(planned):
     init_fake_process_group(16)
     try:
