@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 from dataclasses import dataclass, field
 
@@ -39,15 +40,17 @@ class Case:
     tp: int = 1  # tensor-parallel degree: a (world / tp, tp) mesh, the model's own TP plan
     model_args: dict = field(default_factory=dict, hash=False)
 
-    @property
-    def method(self) -> str:
-        """The bench method that runs this configuration."""
+    def method(self, cluster_file: str | None = None) -> str:
+        """The bench method that runs this configuration; `cluster_file`: the cost model its
+        compile schedules with, the one the planner priced it with (a preset: the built-in)."""
         parts = [f"strategy={'shard_grad_op' if self.keep == 'all' else self.strategy}",
                  f"ac={self.ac}", f"prefetch={self.prefetch}", f"bucket_mb={self.bucket_mb:g}"]
         if self.param_dtype != "float32":
             parts += [f"param_dtype={self.param_dtype}", "reduce_dtype=float32"]
         if self.tp > 1:
             parts.append("tp=true")
+        if cluster_file is not None:
+            parts.append(f"cluster={os.path.abspath(cluster_file)}")
         return "graphshard:" + "+".join(parts)
 
     @property
@@ -88,7 +91,8 @@ def spearman(xs: list[float], ys: list[float]) -> float:
     return cov / (sum((a - mx) ** 2 for a in rx) * sum((b - my) ** 2 for b in ry)) ** 0.5
 
 
-def measure(cases: list[Case], steps: int, repeats: int, warmup: int) -> dict[Case, dict]:
+def measure(cases: list[Case], steps: int, repeats: int, warmup: int,
+            cluster_file: str | None = None) -> dict[Case, dict]:
     from graphshard.bench.harness import BenchConfig, run
     from graphshard.bench.report import summarize
 
@@ -97,11 +101,12 @@ def measure(cases: list[Case], steps: int, repeats: int, warmup: int) -> dict[Ca
     for case in cases:
         groups.setdefault((case.model, case.world, case.batch, case.tp), []).append(case)
     for (model, world, batch, tp), group in groups.items():
-        cfg = BenchConfig(model=model, nproc=world, tp=tp, methods=tuple(c.method for c in group),
+        cfg = BenchConfig(model=model, nproc=world, tp=tp,
+                          methods=tuple(c.method(cluster_file) for c in group),
                           batch=batch, seq=SEQ, steps=steps, repeats=repeats, warmup=warmup)
         summary = summarize(cfg, *run(cfg))
         for case in group:
-            entry = summary["methods"][case.method]
+            entry = summary["methods"][case.method(cluster_file)]
             if entry.get("status") != "ok":
                 raise RuntimeError(f"{case.label}: {entry.get('status')}")
             measured[case] = {"step_s": entry["step_ms"]["median"] / 1e3,
@@ -151,12 +156,14 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     cluster = resolve_cluster(args.cluster)
     predicted = predict_all(CASES, cluster)
-    measured = (measure(CASES, args.steps, args.repeats, args.warmup) if args.measured is None
+    cluster_file = args.cluster if os.path.isfile(args.cluster) else None
+    measured = (measure(CASES, args.steps, args.repeats, args.warmup, cluster_file)
+                if args.measured is None
                 else measured_before(CASES, args.measured))
     rows = []
     for case in CASES:
         pred, meas = predicted[case], measured[case]
-        rows.append({"config": case.label, "method": case.method,
+        rows.append({"config": case.label, "method": case.method(cluster_file),
                      "predicted_ms": pred["step_s"] * 1e3, "measured_ms": meas["step_s"] * 1e3,
                      "time_error": pred["step_s"] / meas["step_s"] - 1,
                      "predicted_mib": pred["peak_bytes"] / 2**20,

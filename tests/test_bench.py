@@ -199,6 +199,21 @@ def test_a_graphshard_variant_sets_strategy_dtype_checkpointing_and_options(fake
         method("graphshard:prefetch=soon")
 
 
+def test_the_fidelity_bench_compiles_with_the_cluster_the_planner_priced(tmp_path):
+    """The scheduler orders collectives by the cost model: the measured configuration compiles
+    with the calibration the prediction used, so both see one schedule."""
+    from graphshard.bench.methods import method
+    from graphshard.bench.plan_fidelity import CASES
+    from graphshard.compiler.cost_model import ClusterSpec
+
+    cluster = tmp_path / "machine.json"
+    ClusterSpec.default().to_json(cluster)
+    name = CASES[0].method(str(cluster))
+    assert name.endswith(f"+cluster={cluster}")
+    assert f"'cluster': '{cluster}'" in method(name).description
+    assert "cluster=" not in CASES[0].method()  # a preset: the built-in model
+
+
 def test_bench_and_the_tools_share_one_workload_and_one_model_args_parser(capsys):
     """The bench parses --model-args as dump and plan do and trains the library's Workload;
     a malformed pair is refused with the same message."""

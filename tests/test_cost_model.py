@@ -388,8 +388,10 @@ def test_calibrate_two_gloo_processes(tmp_path):
     assert [b for b, _ in samples] == [1 << 10, 1 << 23]
     for name in ("latency_s", "bandwidth_Bps", "flops_per_s", "memory_bandwidth_Bps",
                  "kernel_overhead_s", "low_precision_flops_per_s", "step_overhead_s",
-                 "device_memory_bytes"):
+                 "device_memory_bytes", "all_reduce_latency_s", "all_reduce_bandwidth_Bps",
+                 "skew_after_1ms_s", "shared_core_skew_after_1ms_s"):
         assert getattr(spec, name) > 0, name
+    assert len(spec.attention_flops) == len(calibration.ATTENTION_SHAPES)
     # two ranks on two cores: compute fills them, gloo's threads cannot run beside it
     cores = __import__("os").cpu_count() or 1
     assert spec.comm_overlaps_compute == (cores > 2)
@@ -421,3 +423,83 @@ def test_float8_matmuls_run_at_the_float8_peak_where_the_machine_has_one():
     assert h100.peak_flops(torch.float8_e4m3fn) == h100.float8_flops_per_s == 1979e12
     assert a100.peak_flops(torch.float8_e4m3fn) == a100.low_precision_flops_per_s  # no float8 cores
     assert h100.shared_by(16).float8_flops_per_s == h100.float8_flops_per_s  # one rank a GPU
+
+
+# --------------------------------------------------------------------------- calibrated terms
+
+
+def test_a_collective_after_compute_waits_for_the_slowest_rank_once(fake_pg):
+    """The ranks drift apart while they compute: the first collective after compute pays the
+    skew (growing as the root of the compute), the one queued right behind it does not."""
+    import dataclasses
+
+    def f(x, w, a, b):
+        y = x @ w
+        fa = c10d.all_gather_into_tensor(a, 8, fake_pg)
+        fb = c10d.all_gather_into_tensor(b, 8, fake_pg)
+        return y, c10d.wait_tensor(fa), c10d.wait_tensor(fb)
+
+    gm = make_fx(f, tracing_mode="fake")(torch.randn(128, 128), torch.randn(128, 128),
+                                         torch.randn(1024), torch.randn(1024))
+    spec = dataclasses.replace(SPEC, comm_overlaps_compute=False, skew_after_1ms_s=1e-3)
+    comm = cm.collective_time("all_gather", 8 * 1024 * 4, 8, spec)
+    mm = 2 * 128 ** 3 / 1e9
+    skew = 1e-3 * (mm / 1e-3) ** 0.5
+    first, second = graph_estimate(gm, spec).collectives
+    assert first.dur_s == pytest.approx(comm + skew) and second.dur_s == pytest.approx(comm)
+    assert graph_estimate(gm, spec).total_s == pytest.approx(mm + 2 * comm + skew)
+    assert graph_estimate(gm, spec, world_size=1).total_s == pytest.approx(mm)  # no collective
+    # ranks taking turns on shared cores drift by the shared cores' skew
+    cpu = dataclasses.replace(spec, compute_slots_per_node=2, shared_core_skew_after_1ms_s=3e-3)
+    assert cpu.shared_by(2).skew_after_1ms_s == 1e-3 and cpu.shared_by(3).skew_after_1ms_s == 3e-3
+
+
+def test_fit_skew_recovers_a_square_root_law():
+    samples = [(c, 4e-4 * (c / 1e-3) ** 0.5) for c in calibration.SKEW_CHUNKS_S]
+    assert calibration.fit_skew(samples) == pytest.approx(4e-4)
+
+
+def test_all_reduce_has_its_own_alpha_beta_within_a_node():
+    import dataclasses
+
+    spec = dataclasses.replace(SPEC, all_reduce_latency_s=5e-3, all_reduce_bandwidth_Bps=5e8,
+                               inter_node_latency_s=2e-3, inter_node_bandwidth_Bps=1e8)
+    nbytes = 1 << 20
+    assert cm.collective_time("all_reduce", nbytes, 2, spec) == pytest.approx(5e-3 + nbytes / 5e8)
+    # the other kinds keep the all-gather's; between nodes every kind pays the inter-node link
+    assert cm.collective_time("all_gather", nbytes, 2, spec) == pytest.approx(1e-3 + nbytes / 2 / 1e9)
+    assert cm.collective_time("all_reduce", nbytes, 2, spec.link(spans_nodes=True)) == \
+        pytest.approx(2e-3 + nbytes / 1e8)
+    fitted = cm.fit_alpha_beta([(b, cm.collective_time("all_reduce", b, 4, spec))
+                                for b in (1 << 10, 1 << 24)], world_size=4, kind="all_reduce")
+    assert fitted == pytest.approx((5e-3, 5e8), rel=1e-6)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_cpu_attention_is_counted_and_priced_at_the_calibrated_attention_rate(dtype):
+    """The CPU's fused attention has no entry in torch's FLOP registry: its FLOPs are counted
+    here, and priced at the machine's attention rate for its sequence x head_dim and dtype."""
+    import dataclasses
+    from torch.utils.flop_counter import sdpa_flop_count
+
+    def f(q, k, v):
+        return torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
+
+    shape = (2, 4, 64, 32)  # sequence x head_dim = 2048
+    gm = make_fx(f, tracing_mode="fake")(*(torch.randn(shape, dtype=dtype) for _ in range(3)))
+    (node,) = [n for n in gm.graph.nodes if n.op == "call_function"
+               and getattr(n.target, "overloadpacket", None) in cm.ATTENTION_OPS]
+    flops = sdpa_flop_count(shape, shape, shape)
+    rows = ((1024, 4e10, 1e10), (4096, 8e10, 4e10))  # the rate at 2048: half-way in log size
+    spec = dataclasses.replace(SPEC, flops_per_s=1e12, low_precision_flops_per_s=1e12,
+                               memory_bandwidth_Bps=1e15, attention_flops=rows)
+    rate = 6e10 if dtype == torch.float32 else 2.5e10
+    cost = cm.node_cost(node, spec)
+    assert cost.flops == flops and cost.seconds == pytest.approx(flops / rate)
+    # without attention rates it runs at the matmul peak
+    assert cm.node_cost(node, dataclasses.replace(spec, attention_flops=())).seconds == \
+        pytest.approx(flops / 1e12)
+    # rows round-trip through JSON; a malformed row is refused by name
+    assert ClusterSpec.from_json(json.loads(spec.to_json())) == spec
+    with pytest.raises(ValueError, match="attention_flops must be rows"):
+        dataclasses.replace(spec, attention_flops=((1024, 4e10),))

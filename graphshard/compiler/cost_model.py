@@ -20,7 +20,7 @@ import sympy
 import torch
 import torch.fx as fx
 from torch.fx.experimental.symbolic_shapes import optimization_hint
-from torch.utils.flop_counter import flop_registry
+from torch.utils.flop_counter import flop_registry, sdpa_backward_flop_count, sdpa_flop_count
 
 from graphshard._torch_compat import is_op_overload, process_group_size
 from graphshard.passes import meta_keys
@@ -77,8 +77,30 @@ class ClusterSpec:
     # of its own (GPUs); on a CPU, its cores / the threads each rank uses. More ranks than that
     # share the compute (`shared_by`).
     compute_slots_per_node: int | None = None
+    # all-reduce's alpha and bandwidth where they differ from the all-gather's (gloo runs its
+    # own algorithm for it); None: the all-gather's, on all-reduce's twice the wire bytes.
+    all_reduce_latency_s: float | None = None
+    all_reduce_bandwidth_Bps: float | None = None
+    # Ranks drift apart while they compute (OS jitter, cores shared with the collective
+    # library), so a collective starts when the slowest rank reaches it: the expected wait
+    # after 1 ms of compute since the ranks last met in a collective. It grows as the square
+    # root of that compute (a random walk; `calibrate` fits it on three compute lengths).
+    skew_after_1ms_s: float = 0.0
+    # The same where the ranks outnumber the node's compute slots and take turns on its cores
+    # (a rank off its core holds up every other at the next collective); None: as above.
+    shared_core_skew_after_1ms_s: float | None = None
+    # Attention kernels' FLOP rates where they are not the matmuls' (a CPU's fused attention
+    # runs below its matmul peak, the more so the less work per head and in bf16): rows of
+    # (sequence x head_dim, fp32 FLOP/s, bf16/fp16 FLOP/s), interpolated in between; empty:
+    # the matmul peak of the precision.
+    attention_flops: tuple[tuple[float, float, float], ...] = ()
 
     def __post_init__(self) -> None:
+        rows = tuple(tuple(float(v) for v in row) for row in self.attention_flops)
+        if any(len(row) != 3 or min(row) <= 0 or not all(map(math.isfinite, row)) for row in rows):
+            raise ValueError("ClusterSpec.attention_flops must be rows of (sequence x head_dim, "
+                             f"fp32 FLOP/s, bf16 FLOP/s), all > 0, got {self.attention_flops!r}")
+        object.__setattr__(self, "attention_flops", tuple(sorted(rows)))
         if not isinstance(self.comm_overlaps_compute, bool):
             raise ValueError(f"ClusterSpec.comm_overlaps_compute must be a bool, got "
                              f"{self.comm_overlaps_compute!r}")
@@ -87,12 +109,13 @@ class ClusterSpec:
                              f"{self.collective_backend!r}")
         for f in dataclasses.fields(self):
             value = getattr(self, f.name)
-            if (f.name in ("comm_overlaps_compute", "collective_backend")
+            if (f.name in ("comm_overlaps_compute", "collective_backend", "attention_flops")
                     or (value is None and f.default is None)):
                 continue
             # 0 is a meaningful idealisation for the fixed costs, never for a rate we divide by.
             may_be_zero = f.name in ("latency_s", "kernel_overhead_s", "inter_node_latency_s",
-                                     "step_overhead_s")
+                                     "step_overhead_s", "all_reduce_latency_s", "skew_after_1ms_s",
+                                     "shared_core_skew_after_1ms_s")
             if (isinstance(value, bool) or not isinstance(value, (int, float))
                     or not math.isfinite(value) or value < 0 or (value == 0 and not may_be_zero)):
                 need = "a finite number >= 0" if may_be_zero else "a finite number > 0"
@@ -103,35 +126,71 @@ class ClusterSpec:
         if not spans_nodes or self.inter_node_bandwidth_Bps is None:
             return self
         latency = self.latency_s if self.inter_node_latency_s is None else self.inter_node_latency_s
-        return dataclasses.replace(self, latency_s=latency, bandwidth_Bps=self.inter_node_bandwidth_Bps)
+        return dataclasses.replace(self, latency_s=latency, bandwidth_Bps=self.inter_node_bandwidth_Bps,
+                                   all_reduce_latency_s=None, all_reduce_bandwidth_Bps=None)
+
+    def alpha_beta(self, kind: str) -> tuple[float, float]:
+        """(latency_s, bandwidth_Bps) of a collective of `kind`."""
+        if kind == "all_reduce" and self.all_reduce_bandwidth_Bps is not None:
+            latency = self.latency_s if self.all_reduce_latency_s is None else self.all_reduce_latency_s
+            return latency, self.all_reduce_bandwidth_Bps
+        return self.latency_s, self.bandwidth_Bps
+
+    def skew_wait_s(self, compute_s: float) -> float:
+        """The expected wait for the slowest rank at a collective after `compute_s` seconds of
+        compute since the ranks last met."""
+        return self.skew_after_1ms_s * math.sqrt(max(compute_s, 0.0) / 1e-3)
 
     def shared_by(self, ranks_per_node: int) -> "ClusterSpec":
         """This spec as each of `ranks_per_node` ranks on one node sees it: where they outnumber
         the node's compute slots (CPU cores), they take turns on them, so everything a rank
         does there runs proportionally slower (3 ranks on 2 cores: 1.5x): compute, memory
         traffic, host overhead, and the collectives within the node, which on a CPU are copies
-        the same cores make."""
+        the same cores make; and the ranks drift apart by the shared cores' skew."""
         slots = self.compute_slots_per_node
         if slots is None or ranks_per_node <= slots:
             return self
         share = ranks_per_node / slots
         low, float8 = self.low_precision_flops_per_s, self.float8_flops_per_s
+        ar_latency, ar_bandwidth = self.all_reduce_latency_s, self.all_reduce_bandwidth_Bps
         return dataclasses.replace(
             self, flops_per_s=self.flops_per_s / share,
             low_precision_flops_per_s=None if low is None else low / share,
             float8_flops_per_s=None if float8 is None else float8 / share,
+            attention_flops=tuple((size, fp32 / share, low / share)
+                                  for size, fp32, low in self.attention_flops),
+            all_reduce_latency_s=None if ar_latency is None else ar_latency * share,
+            skew_after_1ms_s=(self.skew_after_1ms_s if self.shared_core_skew_after_1ms_s is None
+                              else self.shared_core_skew_after_1ms_s),
+            all_reduce_bandwidth_Bps=None if ar_bandwidth is None else ar_bandwidth / share,
             memory_bandwidth_Bps=self.memory_bandwidth_Bps / share,
             latency_s=self.latency_s * share, bandwidth_Bps=self.bandwidth_Bps / share,
             kernel_overhead_s=self.kernel_overhead_s * share,
             step_overhead_s=self.step_overhead_s * share)
 
-    def peak_flops(self, dtype: torch.dtype | None) -> float:
+    def peak_flops(self, dtype: torch.dtype | None, attention_size: float | None = None) -> float:
         """The matmul peak for operands of `dtype` (float8: the float8 peak where the
-        machine has one, else the bf16 one)."""
+        machine has one, else the bf16 one); for an attention kernel of `attention_size`
+        (sequence x head_dim), the attention rate where the machine has one."""
+        low_precision = dtype in (torch.bfloat16, torch.float16, *FLOAT8_DTYPES)
+        if attention_size is not None and self.attention_flops:
+            return self._attention_rate(attention_size, 2 if low_precision else 1)
         if dtype in FLOAT8_DTYPES and self.float8_flops_per_s:
             return self.float8_flops_per_s
-        low = dtype in (torch.bfloat16, torch.float16, *FLOAT8_DTYPES) and self.low_precision_flops_per_s
+        low = low_precision and self.low_precision_flops_per_s
         return self.low_precision_flops_per_s if low else self.flops_per_s
+
+    def _attention_rate(self, size: float, column: int) -> float:
+        """attention_flops' rate at `size`, linear in log(size) between rows, the end rows'
+        beyond them."""
+        rows = self.attention_flops
+        if size <= rows[0][0]:
+            return rows[0][column]
+        for low, high in zip(rows, rows[1:]):
+            if size <= high[0]:
+                t = math.log(size / low[0]) / math.log(high[0] / low[0])
+                return low[column] + t * (high[column] - low[column])
+        return rows[-1][column]
 
     @classmethod
     def default(cls) -> "ClusterSpec":
@@ -228,9 +287,10 @@ def collective_time(kind: str, nbytes: Sym, world_size: Sym, spec: ClusterSpec) 
     """
     nbytes, world_size = _as_sym(nbytes), _as_sym(world_size)
     wire = wire_bytes(kind, nbytes, world_size)
+    latency, bandwidth = spec.alpha_beta(kind)
     if is_plain_number(nbytes, world_size):  # fast path: the reorder pass calls this in a loop
-        return 0.0 if world_size == 1 else spec.latency_s + wire / spec.bandwidth_Bps
-    expr = sympy.Float(spec.latency_s) + sympy.sympify(wire) / sympy.Float(spec.bandwidth_Bps)
+        return 0.0 if world_size == 1 else latency + wire / bandwidth
+    expr = sympy.Float(latency) + sympy.sympify(wire) / sympy.Float(bandwidth)
     n = sympy.sympify(world_size)
     if not n.is_number:
         expr = sympy.Piecewise((0, sympy.Eq(n, 1)), (expr, True))
@@ -280,6 +340,46 @@ def _node_val(node: Any) -> Any:
     return node.meta.get("val") if isinstance(node, fx.Node) else None
 
 
+def _cpu_attention_flops(query, key, value, *args, out_val=None, **kwargs) -> int:
+    return sdpa_flop_count(query.shape, key.shape, value.shape)
+
+
+def _cpu_attention_backward_flops(grad_out, query, key, value, *args, out_val=None, **kwargs) -> int:
+    return sdpa_backward_flop_count(grad_out.shape, query.shape, key.shape, value.shape)
+
+
+# torch's FLOP registry counts the GPU attention kernels, not the CPU's (the same math).
+_FLOP_FORMULAS = {aten._scaled_dot_product_flash_attention_for_cpu: _cpu_attention_flops,
+                  aten._scaled_dot_product_flash_attention_for_cpu_backward: _cpu_attention_backward_flops}
+ATTENTION_OPS = frozenset([*(op for op in flop_registry if "attention" in str(op)), *_FLOP_FORMULAS])
+
+
+def _compute_dtype(node: fx.Node) -> torch.dtype | None:
+    """The dtype whose peak prices a node: a float8 operand's (a float8 matmul returns a wider
+    dtype), else its output's, else its first tensor input's (attention returns a tuple)."""
+    inputs = [v.dtype for v in map(_node_val, node.all_input_nodes) if isinstance(v, torch.Tensor)]
+    float8 = [dtype for dtype in inputs if dtype in FLOAT8_DTYPES]
+    val = node.meta.get("val")
+    if float8:
+        return float8[0]
+    if isinstance(val, torch.Tensor):
+        return val.dtype
+    return inputs[0] if inputs else None
+
+
+def _attention_size(node: fx.Node, packet: Any) -> float | None:
+    """sequence x head_dim of an attention node's query ([..., sequence, head_dim]), else None."""
+    if packet not in ATTENTION_OPS:
+        return None
+    queries = [v for v in map(_node_val, node.all_input_nodes)
+               if isinstance(v, torch.Tensor) and v.dim() >= 2]
+    if not queries:
+        return None
+    # the backward's first input is the output's gradient, of the query's shape
+    sequence, head_dim = queries[0].shape[-2:]
+    return float(_scalar(sequence, False) * _scalar(head_dim, False))
+
+
 def node_cost(node: fx.Node, spec: ClusterSpec, *, symbolic: bool = False) -> NodeCost:
     """Roofline cost of one compute node: max(flops/peak, bytes/mem_bw) + kernel overhead.
 
@@ -293,7 +393,8 @@ def node_cost(node: fx.Node, spec: ClusterSpec, *, symbolic: bool = False) -> No
         return ZERO_COST
     zero = sympy.Integer(0) if symbolic else 0
     flops = zero
-    formula = flop_registry.get(node.target.overloadpacket)
+    packet = node.target.overloadpacket
+    formula = flop_registry.get(packet) or _FLOP_FORMULAS.get(packet)
     if formula is not None:
         args, kwargs = fx.node.map_arg((node.args, node.kwargs), _node_val)
         try:
@@ -308,11 +409,7 @@ def node_cost(node: fx.Node, spec: ClusterSpec, *, symbolic: bool = False) -> No
         seconds = sympy.Max(flops / sympy.Float(spec.flops_per_s),
                             nbytes / sympy.Float(spec.memory_bandwidth_Bps))
         return NodeCost(flops, nbytes, as_number_if_constant(seconds + sympy.Float(spec.kernel_overhead_s)))
-    val = node.meta.get("val")
-    # a float8 matmul (torch._scaled_mm) returns a wider dtype: its operands' sets the peak
-    float8 = [v.dtype for v in map(_node_val, node.all_input_nodes)
-              if isinstance(v, torch.Tensor) and v.dtype in FLOAT8_DTYPES]
-    peak = spec.peak_flops(float8[0] if float8 else val.dtype if isinstance(val, torch.Tensor) else None)
+    peak = spec.peak_flops(_compute_dtype(node), _attention_size(node, packet)) if flops else 1.0
     seconds = max(flops / peak, nbytes / spec.memory_bandwidth_Bps)
     return NodeCost(int(flops), int(nbytes), seconds + spec.kernel_overhead_s)
 
@@ -364,15 +461,17 @@ def collective_node_cost(node: fx.Node, spec: ClusterSpec, world_size: GroupSize
 # --------------------------------------------------------------------------- fitting
 
 
-def fit_alpha_beta(samples: Sequence[tuple[int, float]], world_size: int) -> tuple[float, float]:
-    """(latency_s, bandwidth_Bps) of all-gather timings [(gathered bytes, seconds), ...].
+def fit_alpha_beta(samples: Sequence[tuple[int, float]], world_size: int,
+                   kind: str = "all_gather") -> tuple[float, float]:
+    """(latency_s, bandwidth_Bps) of timings of collectives of `kind` [(bytes, seconds), ...]:
+    all-gather's gathered bytes, all-reduce's buffer.
 
     Least squares on relative error (weights 1/t^2): plain least squares lets the large sizes
     decide everything and can give a negative alpha, the number that matters most here.
     """
     if len(samples) < 2 or len({b for b, _ in samples}) < 2:
         raise ValueError("fit_alpha_beta needs timings at two or more different sizes")
-    xs = [wire_bytes("all_gather", b, world_size) for b, _ in samples]
+    xs = [wire_bytes(kind, b, world_size) for b, _ in samples]
     ts = [t for _, t in samples]
     ws = [1.0 / t ** 2 for t in ts]
     sw, sx, st = sum(ws), sum(w * x for w, x in zip(ws, xs)), sum(w * t for w, t in zip(ws, ts))

@@ -114,8 +114,9 @@ def graph_estimate(gm: fx.GraphModule | fx.Graph, spec: ClusterSpec,
 
     Compute nodes run back to back on the compute lane. A collective is issued when compute
     reaches it and starts once the comm lane is free (one collective at a time, as on one
-    gloo/NCCL stream). A wait_tensor blocks compute until its collective ends; where
-    `spec.comm_overlaps_compute` is False, so does the collective itself. `group_specs`:
+    gloo/NCCL stream), after the wait for the slowest rank (`ClusterSpec.skew_wait_s` of the
+    compute since the ranks last met). A wait_tensor blocks compute until its collective
+    ends; where `spec.comm_overlaps_compute` is False, so does the collective itself. `group_specs`:
     the spec a process group's collectives see (by group name; e.g. `spec.link(spans_nodes)`).
     `graph_kind`: "backward" for a backward graph, whose memory counts the saved activations
     it frees as it goes.
@@ -123,27 +124,29 @@ def graph_estimate(gm: fx.GraphModule | fx.Graph, spec: ClusterSpec,
     if not (world_size is None or isinstance(world_size, Mapping) or is_plain_number(world_size)):
         raise ValueError(f"graph_estimate simulates numbers: world_size must be an int, a "
                          f"{{group_name: int}} mapping or None, got {world_size!r}")
-    compute_t = comm_free = 0.0
+    compute_t = comm_free = met_s = 0.0  # met_s: when the ranks last met in a collective
     flops = 0
     events: list[Event] = []
-    issued: dict[fx.Node, tuple[CollectiveCost, float, float]] = {}
+    issued: dict[fx.Node, tuple[CollectiveCost, float, float, float]] = {}
     for node in (gm.graph if isinstance(gm, fx.GraphModule) else gm).nodes:
         if node.op != "call_function":
             continue
         if is_collective(node):
             link = (group_specs or {}).get(collective_group(node)[0], spec)
             cost = collective_node_cost(node, link, world_size)
+            # waiting for the slowest rank is part of the collective's time, as a profile shows it
+            seconds = cost.seconds + (link.skew_wait_s(compute_t - met_s) if cost.seconds else 0.0)
             start = max(compute_t, comm_free)
-            comm_free = start + cost.seconds
+            comm_free = met_s = start + seconds
             if not spec.comm_overlaps_compute:
                 compute_t = comm_free  # the collective holds the cores compute would use
-            issued[node] = (cost, compute_t, start)
-            events.append(Event(node.name, "comm", start, cost.seconds, cost.kind))
+            issued[node] = (cost, seconds, compute_t, start)
+            events.append(Event(node.name, "comm", start, seconds, cost.kind))
         elif is_wait(node):
             coll = _waited_collective(node)
             if coll is not None and coll in issued:
-                cost, _, start = issued[coll]
-                end = start + cost.seconds
+                _, seconds, _, start = issued[coll]
+                end = start + seconds
                 if end > compute_t:
                     events.append(Event(node.name, "compute", compute_t, end - compute_t, "wait"))
                     compute_t = end
@@ -157,11 +160,11 @@ def graph_estimate(gm: fx.GraphModule | fx.Graph, spec: ClusterSpec,
             if e.lane == "compute" and e.kind == "compute" and e.dur_s > 0]
     starts = [b[0] for b in busy]
     collectives = []
-    for node, (cost, issue, start) in issued.items():
-        hidden = _overlap(busy, starts, start, start + cost.seconds)
+    for node, (cost, seconds, issue, start) in issued.items():
+        hidden = _overlap(busy, starts, start, start + seconds)
         collectives.append(CollectiveEstimate(
             node.name, cost.kind, int(cost.nbytes), int(cost.group_size), issue, start,
-            cost.seconds, hidden, max(cost.seconds - hidden, 0.0)))
+            seconds, hidden, max(seconds - hidden, 0.0)))
     compute_s = sum(e.dur_s for e in events if e.kind == "compute")
     total = max(compute_t, comm_free)
     return GraphEstimate(total, compute_s, flops, sum(c.dur_s for c in collectives),

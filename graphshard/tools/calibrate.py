@@ -1,13 +1,16 @@
 """`graphshard calibrate`: measure this machine's cost-model parameters into a ClusterSpec.
 
-All-gathers timed on local gloo processes (graphshard.tools.launch.run_local), a matmul, a copy
-and a tiny kernel; the JSON it writes is what ClusterSpec.from_json loads.
+The collectives graphshard runs on gloo (all-to-all for all-gather and reduce-scatter,
+all-reduce), back to back and after compute (how far the ranks drift apart), timed on local
+gloo processes (graphshard.tools.launch.run_local); matmuls, a copy, a tiny kernel and a tiny
+training step's host time; the JSON it writes is what ClusterSpec.from_json loads.
 """
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
+import math
 import os
 import statistics
 import sys
@@ -34,24 +37,80 @@ def _median_time(fn: Any, repeats: int, warmup: int = 2) -> float:
     return statistics.median(times)
 
 
-def _time_all_gathers(rank: int, world_size: int, sizes: Sequence[int],
-                      repeats: int) -> list[tuple[int, float]]:
-    """On each rank: [(gathered bytes, median seconds)] of all-gathers of each size. The sizes
-    take turns within each repetition, so a burst of load from elsewhere on a shared machine
-    slows every size alike instead of inverting small against large."""
-    buffers = []
-    for size in sizes:
-        shard = torch.ones(max(size // (4 * world_size), 1))
-        buffers.append((shard, torch.empty(shard.numel() * world_size)))
-    times: list[list[float]] = [[] for _ in sizes]
-    for repetition in range(3 + repeats):  # the first three warm up
-        for (shard, full), size_times in zip(buffers, times):
-            dist.barrier()  # start together, so the timing is the collective alone
+def _time_collectives(rank: int, world_size: int, sizes: Sequence[int],
+                      repeats: int) -> dict[str, list[tuple[int, float]]]:
+    """On each rank, {kind: [(bytes, median seconds)]} of the collectives graphshard runs on
+    gloo: all-gather and reduce-scatter as an all-to-all (bytes: the gathered buffer; each
+    rank sends (N-1)/N of it, as a ring all-gather), and all-reduce (tensor parallelism's).
+    Back to back, as a step runs a bucket's collectives; the sizes take turns within each
+    repetition, so a burst of load from elsewhere slows every size alike."""
+    ops = {"all_gather": lambda x, y: dist.all_to_all_single(y, x),
+           "all_reduce": lambda x, y: dist.all_reduce(x)}  # of zeros: no overflow, no denormals
+    numels = [max(size // 4 // world_size, 1) * world_size for size in sizes]
+    buffers = [(torch.zeros(n), torch.empty(n)) for n in numels]
+    results = {}
+    for kind, op in ops.items():
+        times: list[list[float]] = [[] for _ in sizes]
+        for repetition in range(3 + repeats):  # the first three warm up
+            for (x, y), size_times in zip(buffers, times):
+                dist.barrier()  # start together: the first of the burst pays no skew
+                start = time.perf_counter()
+                for _ in range(BURST):
+                    op(x, y)
+                if repetition >= 3:
+                    size_times.append((time.perf_counter() - start) / BURST)
+        results[kind] = [(x.numel() * 4, statistics.median(t)) for (x, _), t in zip(buffers, times)]
+    return results
+
+
+BURST = 4  # collectives per timing
+# Compute between collectives when measuring the ranks' skew: a step's segments on the
+# calibrated models are 0.3-5 ms.
+SKEW_CHUNKS_S = (0.5e-3, 2e-3, 8e-3)
+
+
+def _time_skew(rank: int, world_size: int, repeats: int) -> list[tuple[float, float]]:
+    """[(compute seconds, extra seconds)]: what a small collective costs beyond its own time
+    when it follows that much compute on every rank (the ranks drift apart while computing
+    and meet at the collective), on rank 0's clock."""
+    a, b = torch.randn(128, 256), torch.randn(256, 256)
+    one = _median_time(lambda: a @ b, 20)
+    x, y = torch.ones(256 * world_size), torch.empty(256 * world_size)
+
+    def exchange():
+        dist.all_to_all_single(y, x)
+
+    dist.barrier()
+    alone = _median_time(exchange, 4 * repeats)
+    results = []
+    for chunk in SKEW_CHUNKS_S:
+        matmuls = max(1, round(chunk / one))
+
+        def compute():
+            for _ in range(matmuls):
+                a @ b
+
+        extras = []
+        for _ in range(3 * repeats):  # the ranks' drift is noisy: more samples than elsewhere
+            dist.barrier()
             start = time.perf_counter()
-            dist.all_gather_single(full, shard)
-            if repetition >= 3:
-                size_times.append(time.perf_counter() - start)
-    return [(full.numel() * 4, statistics.median(t)) for (_, full), t in zip(buffers, times)]
+            for _ in range(8):
+                compute()
+            computed = time.perf_counter() - start
+            dist.barrier()
+            start = time.perf_counter()
+            for _ in range(8):
+                compute()
+                exchange()
+            extras.append((time.perf_counter() - start - computed) / 8 - alone)
+        results.append((matmuls * one, max(statistics.median(extras), 0.0)))
+    return results
+
+
+def fit_skew(samples: Sequence[tuple[float, float]]) -> float:
+    """ClusterSpec.skew_after_1ms_s: least squares of wait = s * sqrt(compute / 1 ms)."""
+    xs = [math.sqrt(c / 1e-3) for c, _ in samples]
+    return max(sum(x * w for x, (_, w) in zip(xs, samples)) / sum(x * x for x in xs), 0.0)
 
 
 def _time_tiny_training_step(rank: int, world_size: int, repeats: int) -> float:
@@ -73,33 +132,86 @@ def _time_tiny_training_step(rank: int, world_size: int, repeats: int) -> float:
     return _median_time(step, repeats, warmup=3)
 
 
-def measure_step_overhead(world_size: int = 2, repeats: int = 10) -> float:
-    per_rank = run_local(_time_tiny_training_step, world_size, repeats, timeout_s=300, threads=1)
-    return float(max(per_rank))
+def measure_step_overhead(repeats: int = 10) -> float:
+    """The host's time per step beyond its kernels, on one process: no collective (the cost
+    model prices those on their own)."""
+    return float(run_local(_time_tiny_training_step, 1, repeats, timeout_s=300, threads=1)[0])
 
 
-def measure_all_gather(world_size: int = 2, sizes: Iterable[int] = (),
-                       repeats: int = 10) -> list[tuple[int, float]]:
-    """[(gathered bytes, median seconds)] of gloo all-gathers on `world_size` local processes."""
+def measure_collectives(world_size: int = 2, sizes: Iterable[int] = (),
+                        repeats: int = 10) -> dict[str, list[tuple[int, float]]]:
+    """{kind: [(bytes, median seconds)]} of gloo's collectives on `world_size` local processes."""
     if world_size < 2:
         raise ValueError(f"calibration needs world_size >= 2, got {world_size}")
     sizes = list(sizes) or list(DEFAULT_SIZES)
     # one thread each: the ranks share the cores, and the collective is what we time
-    per_rank = run_local(_time_all_gathers, world_size, sizes, repeats, timeout_s=60, threads=1)
-    return [(int(b), float(t)) for b, t in per_rank[0]]
+    per_rank = run_local(_time_collectives, world_size, sizes, repeats, timeout_s=120, threads=1)
+    return {kind: [(int(b), float(t)) for b, t in samples] for kind, samples in per_rank[0].items()}
 
 
-def measure_compute(repeats: int = 10) -> dict[str, float]:
-    """flops_per_s (1024^2 fp32 matmul), low_precision_flops_per_s (the same in bf16),
-    memory_bandwidth_Bps (64 MiB copy), kernel_overhead_s."""
-    a, b = torch.randn(1024, 1024), torch.randn(1024, 1024)
-    a16, b16 = a.bfloat16(), b.bfloat16()
+def measure_skew(world_size: int = 2, repeats: int = 10) -> list[tuple[float, float]]:
+    return run_local(_time_skew, world_size, repeats, timeout_s=120, threads=1)[0]
+
+
+# (batch, heads, sequence, head_dim) of the attention calibration: sequence x head_dim
+# 2,048 to 32,768, where a CPU's attention rate climbs most.
+ATTENTION_SHAPES = ((4, 8, 64, 32), (4, 4, 64, 64), (2, 8, 128, 64), (1, 8, 512, 64))
+# (tokens, in, out) of the matmul calibration: a training step's sizes, not a square peak.
+MATMUL_SHAPES = ((256, 256, 1024), (256, 1024, 256), (512, 512, 512))
+_COLD_COPIES = 16  # operand sets rotated, so each matmul reads operands out of cache, as in a step
+
+
+def matmul_rate(dtype: torch.dtype, repeats: int) -> float:
+    """FLOP/s of a training step's matmuls in `dtype`: forward (x @ w.T) and backward's two
+    (g @ w, g.T @ x) on operands out of cache."""
+    flops = seconds = 0.0
+    for tokens, d_in, d_out in MATMUL_SHAPES:
+        sets = [(torch.randn(tokens, d_in, dtype=dtype), torch.randn(d_out, d_in, dtype=dtype),
+                 torch.randn(tokens, d_out, dtype=dtype)) for _ in range(_COLD_COPIES)]
+
+        def layouts():
+            for x, w, g in sets:
+                x @ w.t()
+                g @ w
+                g.t() @ x
+
+        seconds += _median_time(layouts, repeats)
+        flops += 3 * 2 * tokens * d_in * d_out * _COLD_COPIES
+    return flops / seconds
+
+
+def attention_rates(repeats: int) -> tuple[tuple[float, float, float], ...]:
+    """ClusterSpec.attention_flops: causal attention forward + backward FLOP/s, fp32 and
+    bf16, at each of ATTENTION_SHAPES."""
+    from torch.nn.functional import scaled_dot_product_attention
+    from torch.utils.flop_counter import sdpa_backward_flop_count, sdpa_flop_count
+
+    rows = []
+    for shape in ATTENTION_SHAPES:
+        rates = []
+        for dtype in (torch.float32, torch.bfloat16):
+            q, k, v = (torch.randn(*shape, dtype=dtype, requires_grad=True) for _ in range(3))
+            grad = torch.ones(shape, dtype=dtype)
+
+            def forward_backward():
+                scaled_dot_product_attention(q, k, v, is_causal=True).backward(grad)
+
+            flops = sdpa_flop_count(shape, shape, shape) + sdpa_backward_flop_count(shape, shape, shape, shape)
+            rates.append(flops / _median_time(forward_backward, repeats))
+        rows.append((shape[-2] * shape[-1], *rates))
+    return tuple(rows)
+
+
+def measure_compute(repeats: int = 10) -> dict[str, Any]:
+    """flops_per_s and low_precision_flops_per_s (a step's matmuls, fp32 and bf16),
+    attention_flops, memory_bandwidth_Bps (64 MiB copy), kernel_overhead_s."""
     src = torch.empty(16 << 20)
     dst = torch.empty_like(src)
     tiny = torch.ones(4)
     return {
-        "flops_per_s": 2 * 1024 ** 3 / _median_time(lambda: a @ b, repeats),
-        "low_precision_flops_per_s": 2 * 1024 ** 3 / _median_time(lambda: a16 @ b16, repeats),
+        "flops_per_s": matmul_rate(torch.float32, repeats),
+        "low_precision_flops_per_s": matmul_rate(torch.bfloat16, repeats),
+        "attention_flops": attention_rates(repeats),
         "memory_bandwidth_Bps": 2 * src.numel() * 4 / _median_time(lambda: dst.copy_(src),
                                                                     repeats),
         "kernel_overhead_s": _median_time(lambda: torch.add(tiny, tiny), 20 * repeats),
@@ -109,10 +221,11 @@ def measure_compute(repeats: int = 10) -> dict[str, float]:
 def calibrate(world_size: int = 2, sizes: Iterable[int] = (), repeats: int = 10,
               samples: list | None = None) -> ClusterSpec:
     """Measure this machine. `samples`, if a list, receives the all-gather timings."""
-    measured = measure_all_gather(world_size, sizes, repeats)
+    measured = measure_collectives(world_size, sizes, repeats)
     if samples is not None:
-        samples.extend(measured)
-    alpha, bandwidth = fit_alpha_beta(measured, world_size)
+        samples.extend(measured["all_gather"])
+    alpha, bandwidth = fit_alpha_beta(measured["all_gather"], world_size)
+    reduce_alpha, reduce_bandwidth = fit_alpha_beta(measured["all_reduce"], world_size, "all_reduce")
     # The planner's memory limit: this machine's RAM, which every local rank shares.
     memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / world_size
     # Compute as one rank sees it: the bench and `graphshard train` give each local rank its
@@ -127,7 +240,12 @@ def calibrate(world_size: int = 2, sizes: Iterable[int] = (), repeats: int = 10,
         torch.set_num_threads(threads)
     # Ranks fill the cores with compute, so gloo's threads take turns with it: no overlap.
     return ClusterSpec(latency_s=alpha, bandwidth_Bps=bandwidth, device_memory_bytes=memory,
-                       step_overhead_s=measure_step_overhead(world_size, repeats),
+                       all_reduce_latency_s=reduce_alpha, all_reduce_bandwidth_Bps=reduce_bandwidth,
+                       skew_after_1ms_s=fit_skew(measure_skew(world_size, repeats)),
+                       # one rank more than the cores' slots: how far ranks that take turns drift
+                       shared_core_skew_after_1ms_s=fit_skew(measure_skew(cores // rank_threads + 1,
+                                                                          repeats)),
+                       step_overhead_s=measure_step_overhead(repeats),
                        comm_overlaps_compute=cores > world_size,
                        collective_backend="gloo", compute_slots_per_node=cores // rank_threads,
                        **compute)
@@ -151,7 +269,9 @@ def main(argv: Sequence[str] | None = None) -> int:
                     for b, t in samples],
                    headers=["all_gather bytes", "measured ms", "model ms"], floatfmt=".3f"))
     print()
-    print(tabulate([(k, "-" if v is None else v if isinstance(v, (bool, str)) else f"{v:.4g}")
+    print(tabulate([(k, "-" if v is None or v == () else v if isinstance(v, (bool, str))
+                     else ", ".join(f"({', '.join(f'{x:.3g}' for x in row)})" for row in v)
+                     if isinstance(v, tuple) else f"{v:.4g}")
                     for k, v in dataclasses.asdict(spec).items()],
                    headers=["parameter", "value"]))
     if args.out:
