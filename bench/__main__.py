@@ -74,7 +74,8 @@ def main(argv: list[str] | None = None) -> int:
 
     # Imported here so `--help` and argument errors stay fast.
     from graphshard.bench.harness import BenchConfig, run
-    from graphshard.bench.report import format_breakdown, format_table, plot, summarize, write_json
+    from graphshard.bench.report import (format_breakdown, format_limit, format_table, plot, summarize,
+                                         write_json)
 
     cfg = BenchConfig(
         model=args.model, model_args=args.model_args, nproc=args.nproc, tp=args.tp,
@@ -100,6 +101,10 @@ def main(argv: list[str] | None = None) -> int:
     print(format_table(summary))
     print()
     print(format_breakdown(summary))
+    limit = format_limit(summary)
+    if limit:
+        print()
+        print(limit)
     if args.plot:
         note = plot(summary, args.plot)
         summary["notes"].append(note or f"plot written to {args.plot}")

@@ -37,6 +37,10 @@ STEP_MARK = "bench::measured_step"
 PHASES = ("forward", "backward", "optimizer")  # of a step, marked by `phase`
 # Where a compiled graph blocks on a collective (eager methods wait inside c10d: not seen).
 _WAIT_EVENT = "_c10d_functional::wait_tensor"
+_FUNCTIONAL_PREFIX = "_c10d_functional::"  # a compiled graph's collective calls (and waits)
+# A compiled forward's and backward's run (AOTAutograd's function; any final compiler)
+_GRAPH_EVENTS = frozenset({"CompiledFunction", "CompiledFunctionBackward"})
+_COPY_OUT_EVENT = "graphshard::split_copy"  # a gathered bucket copied out into its parameters
 _GLOO_PREFIX = "gloo:"
 _EXCHANGE_EVENT = "_c10d_functional::all_to_all_single"
 _FLOAT32_BYTES = 4
@@ -143,6 +147,7 @@ def analyze(prof: profile, world_size: int, steps: int = 1) -> StepProfile:
     waits = [(e.start_ns(), e.end_ns()) for e in inside if e.name() == _WAIT_EVENT]
     breakdown["wait"] = _union_ns(waits) / 1e6 / steps
     breakdown["step"] = (end - start) / 1e6 / steps
+    breakdown.update(_main_thread_split(inside, marks[0].start_thread_id(), steps, breakdown))
     allocations = cpu_allocations(prof)
     if not allocations:
         return StepProfile(counts, sizes, 0, breakdown)
@@ -152,6 +157,26 @@ def analyze(prof: profile, world_size: int, steps: int = 1) -> StepProfile:
     during = [total for t, _, total in allocations if start <= t <= end]
     peak = max(during + before[-1:], default=at_open)  # entering the step, or inside it
     return StepProfile(counts, sizes, peak - at_open, breakdown)
+
+
+def _main_thread_split(inside: list, thread: int, steps: int, breakdown: dict) -> dict[str, float]:
+    """The step's main thread, ms per step: inside the compiled graphs, the kernels (compute,
+    and the copies Inductor fuses into it: packing buckets, casts), the collective calls
+    (`issue`), the waits on collectives and graphshard's copy-out of gathered buckets
+    (`copy_out`); outside them and the optimizer, the host's own work (`host`: Python, Dynamo's
+    guards, the autograd engine, gradient accumulation). Eager methods run no compiled graph:
+    all their time outside the optimizer is `host`."""
+    def union_ms(predicate) -> float:
+        spans = [(e.start_ns(), e.end_ns()) for e in inside
+                 if e.start_thread_id() == thread and predicate(e.name())]
+        return _union_ns(spans) / 1e6 / steps
+
+    graphs = union_ms(lambda name: name in _GRAPH_EVENTS)
+    issue = union_ms(lambda name: name.startswith(_FUNCTIONAL_PREFIX) and name != _WAIT_EVENT)
+    copy_out = union_ms(lambda name: name == _COPY_OUT_EVENT)
+    return {"kernels": max(graphs - breakdown["wait"] - issue - copy_out, 0.0), "issue": issue,
+            "copy_out": copy_out,
+            "host": max(breakdown["step"] - graphs - breakdown.get("optimizer", 0.0), 0.0)}
 
 
 def _union_ns(intervals: list[tuple[int, int]]) -> int:

@@ -145,20 +145,67 @@ def format_table(summary: dict) -> str:
     return tabulate(rows, headers=headers, disable_numparse=True)
 
 
+BREAKDOWN = ("step", "forward", "backward", "optimizer", "wait", "kernels", "issue", "copy_out",
+             "host")
+
+
 def format_breakdown(summary: dict) -> str:
     """Where a profiled step's time goes, per method (rank 0, main thread, ms, the average of
-    the profile's measured steps): forward, backward and optimizer phases, and the time the
-    compiled methods' graphs block in wait_tensor on a collective (eager methods wait inside c10d, which this does not count).
-    Under the profiler, so slower than the timed steps: compare methods, not absolute numbers."""
+    the profile's measured steps): forward, backward and optimizer phases; and across them the
+    compiled graphs' kernels, their collective calls, the time they block in wait_tensor on a
+    collective (eager methods wait inside c10d, which this does not count), graphshard's copy
+    out of gathered buckets, and the host's work outside graphs and optimizer
+    (measure._main_thread_split). Under the profiler, so slower than the timed steps: compare
+    methods, not absolute numbers."""
     rows = []
     for name, m in summary["methods"].items():
         b = m.get("breakdown_ms")
         if m["status"] != OK or not b:
             continue
-        rows.append([name, *(f"{b.get(k, 0):.1f}" for k in ("step", "forward", "backward", "optimizer",
-                                                             "wait"))])
+        rows.append([name, *(f"{b.get(k, 0):.1f}" for k in BREAKDOWN)])
     return tabulate(rows, headers=["method (profiled step)", "step ms", "forward", "backward",
-                                   "optimizer", "of which in wait_tensor"], disable_numparse=True)
+                                   "optimizer", "of which in wait_tensor", "graph kernels",
+                                   "collective calls", "bucket copy-out", "host"],
+                    disable_numparse=True)
+
+
+def limit_breakdown(summary: dict, method: str) -> dict | None:
+    """`method`'s time above compute-only (each rank's unsharded model compiled, no
+    communication), in ms: the timed medians of the step, compute-only and the same
+    collectives alone, then the profiled difference split into exposed communication (waits
+    and collective calls), bucket copy-out, slower kernels (packing buckets and casts are fused
+    into them), the optimizer and the host; None where a method is missing."""
+    methods = summary["methods"]
+    ours, floor = methods.get(method), methods.get("compute_only")
+    if not (ours and floor and ours["status"] == OK and floor["status"] == OK
+            and ours.get("breakdown_ms") and floor.get("breakdown_ms")):
+        return None
+    b, f = ours["breakdown_ms"], floor["breakdown_ms"]
+    alone = methods.get("collectives_only", {})
+    return {
+        "step_ms": ours["step_ms"]["median"], "compute_only_ms": floor["step_ms"]["median"],
+        "collectives_only_ms": (alone["step_ms"]["median"] if alone.get("status") == OK else None),
+        "above_ms": ours["step_ms"]["median"] - floor["step_ms"]["median"],
+        "profiled_above_ms": b["step"] - f["step"],
+        "exposed_comm_ms": b.get("wait", 0.0) + b.get("issue", 0.0),
+        "copy_out_ms": b.get("copy_out", 0.0),
+        "slower_kernels_ms": b.get("kernels", 0.0) - f.get("kernels", 0.0),
+        "optimizer_ms": b.get("optimizer", 0.0) - f.get("optimizer", 0.0),
+        "host_ms": b.get("host", 0.0) - f.get("host", 0.0),
+    }
+
+
+def format_limit(summary: dict) -> str:
+    """limit_breakdown of each graphshard method of the run, one row each."""
+    rows = []
+    for name in summary["methods"]:
+        limit = limit_breakdown(summary, name) if name.startswith("graphshard") else None
+        if limit:
+            rows.append([name, *(("-" if v is None else f"{v:.1f}") for v in limit.values())])
+    return tabulate(rows, headers=["method, ms", "step", "compute only", "collectives only",
+                                   "above compute only", "profiled above", "exposed comm",
+                                   "bucket copy-out", "slower kernels", "optimizer", "host"],
+                    disable_numparse=True) if rows else ""
 
 
 def write_json(summary: dict, path: str) -> None:

@@ -154,6 +154,32 @@ def test_collectives_counted_per_step_for_graphshard_match_its_units():
         assert all(phases[p] > 0 for p in ("forward", "backward", "optimizer", "wait"))
         assert phases["forward"] + phases["backward"] + phases["optimizer"] <= phases["step"]
         assert phases["wait"] <= phases["forward"] + phases["backward"]
+        # ... and across them, on the main thread: the graphs' kernels, their collective calls
+        # and bucket copy-outs (a unit's parameters gathered in one bucket), the host's work
+        in_graphs = phases["kernels"] + phases["issue"] + phases["copy_out"] + phases["wait"]
+        assert all(phases[p] > 0 for p in ("kernels", "issue", "copy_out", "host"))
+        assert in_graphs + phases["host"] + phases["optimizer"] == pytest.approx(phases["step"])
+
+
+def test_the_limit_breakdown_splits_the_time_above_compute_only():
+    from graphshard.bench.report import format_limit, limit_breakdown
+
+    def entry(step_ms, **parts):
+        return {"status": "ok", "step_ms": {"median": step_ms}, "breakdown_ms": parts}
+
+    summary = {"methods": {
+        "compute_only": entry(60.0, step=62.0, kernels=50.0, optimizer=3.0, host=9.0),
+        "collectives_only": entry(17.0, step=20.0),
+        "graphshard": entry(90.0, step=95.0, kernels=55.0, wait=10.0, issue=2.0, copy_out=3.0,
+                            optimizer=4.0, host=11.0),
+    }}
+    assert limit_breakdown(summary, "graphshard") == pytest.approx({
+        "step_ms": 90.0, "compute_only_ms": 60.0, "collectives_only_ms": 17.0,
+        "above_ms": 30.0, "profiled_above_ms": 33.0, "exposed_comm_ms": 12.0, "copy_out_ms": 3.0,
+        "slower_kernels_ms": 5.0, "optimizer_ms": 1.0, "host_ms": 2.0})
+    assert "graphshard" in format_limit(summary) and "33.0" in format_limit(summary)
+    del summary["methods"]["compute_only"]
+    assert limit_breakdown(summary, "graphshard") is None and format_limit(summary) == ""
 
 
 def test_peak_memory_sees_frees_made_on_other_threads():

@@ -160,9 +160,9 @@ class ClusterSpec:
             attention_flops=tuple((size, fp32 / share, low / share)
                                   for size, fp32, low in self.attention_flops),
             all_reduce_latency_s=None if ar_latency is None else ar_latency * share,
+            all_reduce_bandwidth_Bps=None if ar_bandwidth is None else ar_bandwidth / share,
             skew_after_1ms_s=(self.skew_after_1ms_s if self.shared_core_skew_after_1ms_s is None
                               else self.shared_core_skew_after_1ms_s),
-            all_reduce_bandwidth_Bps=None if ar_bandwidth is None else ar_bandwidth / share,
             memory_bandwidth_Bps=self.memory_bandwidth_Bps / share,
             latency_s=self.latency_s * share, bandwidth_Bps=self.bandwidth_Bps / share,
             kernel_overhead_s=self.kernel_overhead_s * share,
