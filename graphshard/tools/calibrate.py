@@ -24,6 +24,10 @@ from graphshard.compiler.cost_model import ClusterSpec, collective_time, fit_alp
 from graphshard.tools.launch import run_local
 
 DEFAULT_SIZES = (1 << 10, 1 << 14, 1 << 18, 1 << 20, 1 << 22, 1 << 24)
+BURST = 4  # collectives per timing
+# Compute between collectives when measuring the ranks' skew: a training step's segments
+# between collectives are 0.3-10 ms at the sizes this machine trains.
+SKEW_CHUNKS_S = (0.5e-3, 2e-3, 8e-3)
 
 
 def _median_time(fn: Any, repeats: int, warmup: int = 2) -> float:
@@ -61,12 +65,6 @@ def _time_collectives(rank: int, world_size: int, sizes: Sequence[int],
                     size_times.append((time.perf_counter() - start) / BURST)
         results[kind] = [(x.numel() * 4, statistics.median(t)) for (x, _), t in zip(buffers, times)]
     return results
-
-
-BURST = 4  # collectives per timing
-# Compute between collectives when measuring the ranks' skew: a step's segments on the
-# calibrated models are 0.3-5 ms.
-SKEW_CHUNKS_S = (0.5e-3, 2e-3, 8e-3)
 
 
 def _time_skew(rank: int, world_size: int, repeats: int) -> list[tuple[float, float]]:
