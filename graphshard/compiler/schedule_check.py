@@ -71,12 +71,23 @@ def _mismatch_message(graph_kind: str, rank: int, mine: list[CollectiveRecord], 
         "options={'check_schedule': False}.")
 
 
-def _wait_until_every_rank_saw_it(store, key: str, rank: int, peers: list[int],
+_mismatches_raised: dict[str, int] = {}  # per pair of schedules: how often this rank raised
+
+
+def _wait_until_every_rank_saw_it(store, pair: str, rank: int, peers: list[int],
                                   wait_s: float = 30.0) -> None:
-    """Each rank that found the mismatch says so, then waits (briefly) for the others: the store
-    lives in rank 0's process, and a rank raising first must not take it away from a rank still
-    reading the other's schedule."""
+    """The store lives in the lowest rank's process (rank 0's, where init_process_group hosts
+    it): that rank must not raise, and perhaps exit, while another still reads the schedules.
+    Every rank says it saw the mismatch, as its last use of the store; the lowest rank then
+    waits (briefly) for the others' word. The keys count the mismatches of this pair of
+    schedules, so that the same mismatch compiled again (a second model, another transport)
+    never finds the keys of the first."""
+    occurrence = _mismatches_raised.get(pair, 0)
+    _mismatches_raised[pair] = occurrence + 1
+    key = f"{pair}/{occurrence}"
     store.set(f"{key}/{rank}", "1")
+    if peers and rank > min(peers):
+        return
     names = [f"{key}/{r}" for r in peers]
     deadline = time.monotonic() + wait_s
     while not store.check(names) and time.monotonic() < deadline:
