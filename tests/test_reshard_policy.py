@@ -4,6 +4,7 @@ options, and numerics under Inductor on gloo against a single process."""
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import functools
 import json
@@ -11,7 +12,15 @@ import json
 import pytest
 import torch
 
+from graphshard import _torch_compat as compat
+from graphshard.compiler.backend import GraphshardCompiler
 from graphshard.compiler.options import GraphshardOptions
+from graphshard.compiler.partition import _keeping_costs_peak_memory
+from graphshard.compiler.pipeline import run_pipeline
+from graphshard.passes.graph_utils import is_unshard
+from graphshard.passes.keep_gathered import keep_gathered
+from graphshard.passes.markers import UnshardSpec
+from graphshard.passes.reshard_policy import params_to_keep
 from graphshard.passes.units import unit_of
 from graphshard.tools import dump
 from graphshard.tools.launch import run_local
@@ -166,3 +175,86 @@ def test_reshard_options_match_a_single_process_under_inductor():
             assert max(abs(a - b) for a, b in zip(result.losses, ref.losses)) < 1e-5, run.compile
             for name, value in ref.params.items():
                 assert torch.allclose(result.params[name], value, atol=1e-5), (run.compile, name)
+
+
+class _Partitions(GraphshardCompiler):
+    """graphshard's partition (compiler="eager"), recording Inductor's min-cut partitions, the
+    joint graph and the pair it returns."""
+
+    def __init__(self, monkeypatch):
+        super().__init__(GraphshardOptions(compiler="eager"))
+        self.min_cuts, self.results = 0, []
+
+        def counted(*args, **kwargs):
+            self.min_cuts += 1
+            return min_cut(*args, **kwargs)
+
+        min_cut = compat.inductor_partition
+        monkeypatch.setattr(compat, "inductor_partition", counted)
+        self.min_cut = min_cut
+
+    def partition(self, joint, joint_inputs, **kwargs):
+        self.joint, self.arguments = copy.deepcopy(joint), (joint_inputs, kwargs)
+        self.results.append(super().partition(joint, joint_inputs, **kwargs))
+        return self.results[-1]
+
+
+def _tail_partitions(monkeypatch, target: str, model_args: dict, seq: int, **dtypes):
+    from graphshard.tools.dump.capture import CaptureComplete
+    from graphshard.tools.dump.loading import load_workload, sharded_on_fake_cluster
+    from graphshard.tools.plan.capture import _run
+
+    compiler = _Partitions(monkeypatch)
+
+    def partition_and_stop(joint, joint_inputs, **kwargs):
+        _Partitions.partition(compiler, joint, joint_inputs, **kwargs)
+        raise CaptureComplete()
+
+    compiler.partition = partition_and_stop
+    workload = load_workload(target, batch=1, seq_len=seq, model_args=model_args)
+    with sharded_on_fake_cluster(workload, 8, "full_shard", **dtypes):
+        _run(workload, compiler)
+        option = None
+        tail = params_to_keep(compiler.joint, option) - params_to_keep(compiler.joint, option, keep_tail=False)
+        kept_by_min_cut = compiler.min_cut(run_pipeline(compiler.joint, compiler.context("joint")),
+                                           *compiler.arguments[:1], **compiler.arguments[1])
+        resharded = compiler.min_cut(
+            run_pipeline(copy.deepcopy(compiler.joint),
+                         dataclasses.replace(compiler.context("joint"), keep_tail=False)),
+            *compiler.arguments[:1], **compiler.arguments[1])
+        derived = keep_gathered(*resharded, tail)
+    return compiler, tail, resharded, kept_by_min_cut, derived
+
+
+def _regathered_params(backward) -> set[str]:
+    return {UnshardSpec.from_node(n).name for n in backward.graph.nodes if is_unshard(n)}
+
+
+def _saved_gathered(forward) -> set[str]:
+    return {UnshardSpec.from_node(n).name for n in forward.graph.output_node().args[0]
+            if isinstance(n, torch.fx.Node) and is_unshard(n)}
+
+
+@pytest.mark.parametrize("target, model_args, seq, dtypes, tail_kept", [
+    ("transformer", {"n_layers": 4, "dim": 128}, 32, {}, True),
+    ("llama3-8b", {"n_layers": 2}, 4096, {"param_dtype": "bf16", "reduce_dtype": "fp32"}, False),
+], ids=["tail-kept", "tail-resharded"])
+def test_the_tail_decision_partitions_once_and_derives_the_kept_partition(
+        monkeypatch, target, model_args, seq, dtypes, tail_kept):
+    # One min-cut partition per training graph (seconds on a large model): the partition that
+    # keeps the tail is derived from the one that reshards it. It saves the tail's gathered
+    # weights and gathers none of them again, as the min-cut partition that keeps them does,
+    # and the peak check decides alike on both.
+    compiler, tail, resharded, by_min_cut, derived = _tail_partitions(
+        monkeypatch, target, model_args, seq, **dtypes)
+    assert compiler.min_cuts == 1
+    assert tail and derived is not None
+    forward, backward = derived
+    assert _regathered_params(resharded[1]) & tail  # what there is to keep
+    assert not _regathered_params(backward) & tail
+    assert _regathered_params(backward) == _regathered_params(by_min_cut[1])
+    assert _saved_gathered(forward) >= _regathered_params(resharded[1]) & tail
+    decide = functools.partial(_keeping_costs_peak_memory, compiler, compiler.joint, params=tail)
+    assert decide(*derived) == decide(*by_min_cut) == (not tail_kept)
+    chosen_forward, chosen_backward = compiler.results[-1]
+    assert (not _regathered_params(chosen_backward) & tail) == tail_kept

@@ -16,6 +16,7 @@ from graphshard import _torch_compat as compat
 from graphshard.compiler.auto_reshard import longest_fitting_prefix
 from graphshard.compiler.cost_model import collective_time, node_cost
 from graphshard.compiler.pipeline import run_pipeline
+from graphshard.passes.keep_gathered import keep_gathered
 from graphshard.passes.graph_utils import is_reduce_grad, is_unshard, tensor_bytes, unshard_specs
 from graphshard.passes.liveness import step_memory
 from graphshard.passes.markers import ReduceSpec, UnshardSpec
@@ -35,21 +36,29 @@ def partition(compiler: GraphshardCompiler, joint: fx.GraphModule, joint_inputs,
     ctx = compiler.context("joint")
     if compiler.options.reshard_after_forward == "auto":
         ctx = replace(ctx, keep_gathered=choose_kept_units(compiler, joint, joint_inputs, kwargs))
-    joint = run_pipeline(joint, ctx, compiler.observer)
+    # The default's tail beyond the last unit (the last block) is kept only where that costs no
+    # peak memory: partitioned without it, and the partition that keeps it derived from that
+    # one (keep_gathered) rather than partitioned again, to compare the two.
+    decides_tail = ctx.keep_gathered is None
+    joint = run_pipeline(joint, replace(ctx, keep_tail=False) if decides_tail else ctx,
+                         compiler.observer)
     compiler.training_graphs += 1
     compiler.state_bytes, compiler.graph_memory = model_state_bytes(joint), {}
     forward, backward = compat.inductor_partition(joint, joint_inputs, **kwargs)
-    if ctx.keep_gathered is None:
-        # The default's tail beyond the last unit (the last block), kept only where the
-        # partition shows that costs no peak memory; else partitioned again without it.
-        option = compiler.options.reshard_after_forward
-        tail = params_to_keep(joint, option) - params_to_keep(joint, option, keep_tail=False)
-        # decided on the local batch: the first rank to decide decides for all
-        if tail and first_decision(decision_key(joint, tail, option), lambda: (
-                _keeping_costs_peak_memory(compiler, joint, forward, backward, tail))):
-            joint = run_pipeline(joint, replace(ctx, keep_tail=False), compiler.observer)
-            forward, backward = compat.inductor_partition(joint, joint_inputs, **kwargs)
-    return forward, backward
+    option = compiler.options.reshard_after_forward
+    tail = (params_to_keep(joint, option) - params_to_keep(joint, option, keep_tail=False)
+            if decides_tail else frozenset())
+    if not tail:
+        return forward, backward
+    kept = keep_gathered(forward, backward, tail)
+    if kept is None:  # a partition this cannot rewrite: partition again, keeping the tail
+        kept = compat.inductor_partition(run_pipeline(joint, ctx, compiler.observer),
+                                         joint_inputs, **kwargs)
+    # decided on the local batch: the first rank to decide decides for all
+    if first_decision(decision_key(joint, tail, option),
+                      lambda: _keeping_costs_peak_memory(compiler, joint, *kept, tail)):
+        return forward, backward
+    return kept
 
 
 def _keeping_costs_peak_memory(compiler: GraphshardCompiler, joint, forward, backward,
