@@ -87,15 +87,22 @@ def choose_kept_units(compiler: GraphshardCompiler, joint: fx.GraphModule, joint
     def keep_set(units: list[str]) -> frozenset[str]:
         return free | {name for name in names if unit_of(name) in units}
 
-    def predicted_peak(keep: frozenset[str]):
+    def partitioned(keep: frozenset[str]):
         tag_reshard_policy(joint, replace(compiler.context("joint"), keep_gathered=keep))
-        forward, backward = compat.inductor_partition(joint, joint_inputs, **kwargs)
-        regathered = {n for n, spec in unshard_specs(backward).items() if spec.gather_size > 1}
-        forward, backward = compiler.with_options(options).run_split_stages(forward, backward)
-        return model_state_bytes(joint) + step_memory(forward, backward).transient_bytes, regathered
+        return compat.inductor_partition(joint, joint_inputs, **kwargs)
+
+    # One min-cut partition, keeping only the free units; each probe's partition is derived
+    # from it (keep_gathered), not partitioned again.
+    base = partitioned(free)
+    regathered = {n for n, spec in unshard_specs(base[1]).items() if spec.gather_size > 1}
+
+    def predicted_peak(keep: frozenset[str]) -> int:
+        graphs = keep_gathered(*base, keep - free) or partitioned(keep)
+        forward, backward = compiler.with_options(options).run_split_stages(*graphs)
+        return model_state_bytes(joint) + step_memory(forward, backward).transient_bytes
 
     budget = options.memory_budget_mb * 2**20
-    base_peak, regathered = predicted_peak(free)
+    base_peak = predicted_peak(free)
     ranked = rank_units_to_keep(unit_costs(joint, regathered, lambda nbytes, group_size:
                                            collective_time("all_gather", nbytes, group_size,
                                                            cluster)))
@@ -108,7 +115,7 @@ def choose_kept_units(compiler: GraphshardCompiler, joint: fx.GraphModule, joint
                           "default")
             return 0
         return longest_fitting_prefix(
-            len(ranked), lambda n: predicted_peak(keep_set(ranked[:n]))[0], budget)
+            len(ranked), lambda n: predicted_peak(keep_set(ranked[:n])), budget)
 
     # decided on the local batch: the minimum over ranks, taken once, for a recompile too
     fits = agreed_minimum(decision_key(joint, names, ("auto", options.memory_budget_mb)),

@@ -126,6 +126,8 @@ def _probes(compiler, joint, joint_inputs, kwargs, knobs: Sequence[Knobs], clust
     from graphshard.compiler.partition import gradient_bytes, model_state_bytes, trainable_reads
     from graphshard.compiler.options import GraphshardOptions
     from graphshard.compiler.simulator import graph_estimate
+    from graphshard.passes.graph_utils import unshard_specs
+    from graphshard.passes.keep_gathered import keep_gathered
     from graphshard.passes.liveness import step_memory
 
     def options(knob: Knobs) -> GraphshardOptions:
@@ -165,11 +167,20 @@ def _probes(compiler, joint, joint_inputs, kwargs, knobs: Sequence[Knobs], clust
     by_keep: dict[str, dict[float, list[Knobs]]] = {}
     for knob in knobs:
         by_keep.setdefault(knob.keep, {}).setdefault(knob.bucket_mb, []).append(knob)
+    # keep="all" is derived from the default's partition rather than partitioned again (a
+    # min-cut partition is about a quarter of a capture's time)
+    partitions = {}
+    if "last" in by_keep:
+        default = next(iter(by_keep["last"].values()))[0]
+        partitions["last"] = compiler.with_options(options(default)).partition(
+            joint, joint_inputs, **kwargs)
+        if "all" in by_keep:
+            partitions["all"] = keep_gathered(*partitions["last"], set(unshard_specs(joint)))
     probes = {}
-    for by_bucket in by_keep.values():
+    for keep, by_bucket in by_keep.items():
         lowerer = compiler.with_options(options(next(iter(by_bucket.values()))[0]))
-        lowered = lowerer.run_split_stages(*lowerer.partition(joint, joint_inputs, **kwargs),
-                                           stop_after="lowered")
+        partitioned = partitions.get(keep) or lowerer.partition(joint, joint_inputs, **kwargs)
+        lowered = lowerer.run_split_stages(*partitioned, stop_after="lowered")
         for group, graphs in zip(by_bucket.values(), _copies(lowered, len(by_bucket))):
             bucketed = compiler.with_options(options(group[0])).run_split_stages(
                 *graphs, stop_after="bucketed", resume=True)
