@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import copy
 import json
+import sys
 import threading
 from dataclasses import asdict
 
@@ -485,3 +486,13 @@ def test_bench_float8_methods_gather_fewer_bytes_and_train_like_fsdp2_with_torch
     for ours, theirs in zip(methods[names[1]]["losses"], methods["fsdp2_float8"]["losses"]):
         assert abs(ours - theirs) <= 1e-2, (methods[names[1]]["losses"],
                                             methods["fsdp2_float8"]["losses"])
+
+
+def test_tool_time_counts_the_cpu_of_the_command_and_its_children():
+    # the planner's captures run in child processes: their CPU seconds count too
+    from graphshard.bench.tool_time import _timed
+
+    spin = "import time; t = time.process_time(); exec('while time.process_time() - t < 0.3: pass')"
+    wall, cpu = _timed([sys.executable, "-c",
+                        f"import subprocess, sys; subprocess.run([sys.executable, '-c', {spin!r}])"])
+    assert cpu >= 0.3 and wall >= 0.3, (wall, cpu)
