@@ -55,7 +55,7 @@ def keep_gathered(forward: fx.GraphModule, backward: fx.GraphModule, params: Col
 
     for regather in regathers:
         weight = gathered[UnshardSpec.from_node(regather).name]
-        if weight in outputs:  # already saved (a unit's weight read by two regathers)
+        if weight.name in saved:  # already saved (a unit's weight read by two regathers)
             placeholder = next(n for n in backward.graph.find_nodes(op="placeholder")
                                if n.name == weight.name)
         else:
@@ -66,6 +66,7 @@ def keep_gathered(forward: fx.GraphModule, backward: fx.GraphModule, params: Col
                 placeholder = backward.graph.placeholder(weight.name)
             placeholder.meta = copy.copy(weight.meta)  # as the partitioner copies a saved value's
             bw_after = placeholder
+            saved.add(weight.name)
         regather.replace_all_uses_with(placeholder)
         _erase_with_dead_inputs(backward.graph, regather)
         if placeholder.name != weight.name:  # the regather had the name (one joint node)
@@ -79,8 +80,8 @@ def keep_gathered(forward: fx.GraphModule, backward: fx.GraphModule, params: Col
             fw_node = next(n for n in outputs if isinstance(n, fx.Node) and n.name == node.name)
             if not isinstance(fw_node.meta.get("val"), torch.Tensor):
                 continue  # symbolic sizes stay: the saved tensors' shapes may bind them
-            del descs[outputs.index(fw_node)]
-            outputs.remove(fw_node)
+            at = max(i for i, n in enumerate(outputs) if n is fw_node)  # saved, not returned
+            del descs[at], outputs[at]
             backward.graph.erase_node(node)
     fw_output.args = (tuple(outputs),)
     if "desc" in fw_output.meta:

@@ -4,6 +4,7 @@ and kept apart from the test module so spawned ranks do not import pytest)."""
 from __future__ import annotations
 
 import contextlib
+import functools
 import gc
 import os
 import time
@@ -310,8 +311,13 @@ def _writes(replace):
         FileSystemWriter.write_data = original
 
 
-def _late(original, self, plan, planner):
-    time.sleep(2.0)  # this rank's shards reach the disk late: the save stays in flight
+def _late(release: Path, original, self, plan, planner):
+    """This rank's shards reach the disk at least 2 s late, and not before the worker has seen
+    training go on with the save in flight (`release`): the test reads no race with the clock."""
+    time.sleep(2.0)
+    deadline = time.monotonic() + 120
+    while not release.exists() and time.monotonic() < deadline:
+        time.sleep(0.01)
     return original(self, plan, planner)
 
 
@@ -326,7 +332,9 @@ def async_save(rank: int, world: int, root: str) -> dict[str, Any]:
     model, optimizer = make(seed=0)
     losses = train(model, optimizer, 0, SAVE_STEP)
     at_save = full_state(model)
-    with _writes(_late if rank == 1 else lambda original, *args: original(*args)):
+    release = Path(root) / "async-release"
+    with _writes(functools.partial(_late, release) if rank == 1
+                 else lambda original, *args: original(*args)):
         start = time.perf_counter()
         handle = checkpoint.save(path, model, optimizer, step=SAVE_STEP, asynchronous=True)
         returned_s = time.perf_counter() - start
@@ -334,7 +342,9 @@ def async_save(rank: int, world: int, root: str) -> dict[str, Any]:
         result: dict[str, Any] = {"returned_s": returned_s, "losses": losses,
                                   "pending_after_training": not handle.done(),
                                   "exists_after_training": path.exists()}
-        dist.barrier()
+        dist.barrier()  # every rank has looked: rank 1's write may go on
+        if rank == 1:
+            release.touch()
         result["path"] = str(handle.result())
     result["elapsed_s"] = time.perf_counter() - start
     result["manifest"] = (path / checkpoint.MANIFEST).is_file()
