@@ -16,8 +16,8 @@ from graphshard import _torch_compat as compat
 from graphshard.compiler.auto_reshard import longest_fitting_prefix
 from graphshard.compiler.cost_model import collective_time, node_cost
 from graphshard.compiler.pipeline import run_pipeline
-from graphshard.passes.keep_gathered import keep_gathered
 from graphshard.passes.graph_utils import is_reduce_grad, is_unshard, tensor_bytes, unshard_specs
+from graphshard.passes.keep_gathered import keep_gathered
 from graphshard.passes.liveness import step_memory
 from graphshard.passes.markers import ReduceSpec, UnshardSpec
 from graphshard.compiler.rank_agreement import agreed_minimum, decision_key, first_decision
