@@ -41,6 +41,8 @@ def keep_gathered(forward: fx.GraphModule, backward: fx.GraphModule, params: Col
                  if is_unshard(n) and UnshardSpec.from_node(n).name in params]
     if any(UnshardSpec.from_node(n).name not in gathered for n in regathers):
         return None
+    if not regathers:  # nothing gathered again: the partition keeps them already
+        return forward, backward
     fw_output = forward.graph.output_node()
     outputs = list(fw_output.args[0])
     bw_inputs = list(backward.graph.find_nodes(op="placeholder"))
@@ -68,9 +70,9 @@ def keep_gathered(forward: fx.GraphModule, backward: fx.GraphModule, params: Col
             bw_after = placeholder
             saved.add(weight.name)
         regather.replace_all_uses_with(placeholder)
-        _erase_with_dead_inputs(backward.graph, regather)
-        if placeholder.name != weight.name:  # the regather had the name (one joint node)
-            if any(n.name == weight.name for n in backward.graph.nodes):
+        erased = _erase_with_dead_inputs(backward.graph, regather)
+        if placeholder.name != weight.name:  # the name's holder (one joint node) may be gone
+            if weight.name not in erased:
                 return None
             placeholder.name = weight.name  # a saved value's name in both graphs, as partitioned
 
@@ -104,12 +106,14 @@ def _numbered(descs: list) -> list:
     return numbered
 
 
-def _erase_with_dead_inputs(graph: fx.Graph, node: fx.Node) -> None:
+def _erase_with_dead_inputs(graph: fx.Graph, node: fx.Node) -> set[str]:
     """Erase `node`, then each input it leaves unused (not placeholders: those are saved values,
-    handled by the caller)."""
-    pending = [node]
+    handled by the caller); the erased nodes' names."""
+    pending, erased = [node], set()
     while pending:
         dead = pending.pop()
         inputs = [n for n in dead.all_input_nodes if n.op != "placeholder"]
+        erased.add(dead.name)
         graph.erase_node(dead)
         pending.extend(n for n in inputs if not n.users and n not in pending)
+    return erased

@@ -178,50 +178,45 @@ def test_reshard_options_match_a_single_process_under_inductor():
 
 
 class _Partitions(GraphshardCompiler):
-    """graphshard's partition (compiler="eager"), recording Inductor's min-cut partitions, the
-    joint graph and the pair it returns."""
+    """graphshard's partition of a capture's joint graph (nothing runs after it), counting
+    Inductor's min-cut partitions; keeps the joint graph, its arguments and the pair returned."""
 
     def __init__(self, monkeypatch):
         super().__init__(GraphshardOptions(compiler="eager"))
-        self.min_cuts, self.results = 0, []
+        self.min_cuts, self.min_cut = 0, compat.inductor_partition
 
         def counted(*args, **kwargs):
             self.min_cuts += 1
-            return min_cut(*args, **kwargs)
+            return self.min_cut(*args, **kwargs)
 
-        min_cut = compat.inductor_partition
         monkeypatch.setattr(compat, "inductor_partition", counted)
-        self.min_cut = min_cut
 
     def partition(self, joint, joint_inputs, **kwargs):
-        self.joint, self.arguments = copy.deepcopy(joint), (joint_inputs, kwargs)
-        self.results.append(super().partition(joint, joint_inputs, **kwargs))
-        return self.results[-1]
+        from graphshard.tools.dump.capture import CaptureComplete
+
+        self.joint, self.joint_inputs, self.kwargs = copy.deepcopy(joint), joint_inputs, kwargs
+        self.result = super().partition(joint, joint_inputs, **kwargs)
+        raise CaptureComplete()
+
+    def min_cut_of(self, **context):
+        """Inductor's min-cut partition of the kept joint graph, tagged under `context`."""
+        ctx = dataclasses.replace(self.context("joint"), **context)
+        return self.min_cut(run_pipeline(copy.deepcopy(self.joint), ctx), self.joint_inputs,
+                            **self.kwargs)
 
 
 def _tail_partitions(monkeypatch, target: str, model_args: dict, seq: int, **dtypes):
-    from graphshard.tools.dump.capture import CaptureComplete
     from graphshard.tools.dump.loading import load_workload, sharded_on_fake_cluster
     from graphshard.tools.plan.capture import _run
 
     compiler = _Partitions(monkeypatch)
-
-    def partition_and_stop(joint, joint_inputs, **kwargs):
-        _Partitions.partition(compiler, joint, joint_inputs, **kwargs)
-        raise CaptureComplete()
-
-    compiler.partition = partition_and_stop
     workload = load_workload(target, batch=1, seq_len=seq, model_args=model_args)
     with sharded_on_fake_cluster(workload, 8, "full_shard", **dtypes):
         _run(workload, compiler)
-        option = None
-        tail = params_to_keep(compiler.joint, option) - params_to_keep(compiler.joint, option, keep_tail=False)
-        kept_by_min_cut = compiler.min_cut(run_pipeline(compiler.joint, compiler.context("joint")),
-                                           *compiler.arguments[:1], **compiler.arguments[1])
-        resharded = compiler.min_cut(
-            run_pipeline(copy.deepcopy(compiler.joint),
-                         dataclasses.replace(compiler.context("joint"), keep_tail=False)),
-            *compiler.arguments[:1], **compiler.arguments[1])
+        tail = params_to_keep(compiler.joint, None) - params_to_keep(compiler.joint, None,
+                                                                     keep_tail=False)
+        kept_by_min_cut = compiler.min_cut_of(keep_tail=True)
+        resharded = compiler.min_cut_of(keep_tail=False)
         derived = keep_gathered(*resharded, tail)
     return compiler, tail, resharded, kept_by_min_cut, derived
 
@@ -256,5 +251,5 @@ def test_the_tail_decision_partitions_once_and_derives_the_kept_partition(
     assert _saved_gathered(forward) >= _regathered_params(resharded[1]) & tail
     decide = functools.partial(_keeping_costs_peak_memory, compiler, compiler.joint, params=tail)
     assert decide(*derived) == decide(*by_min_cut) == (not tail_kept)
-    chosen_forward, chosen_backward = compiler.results[-1]
+    chosen_forward, chosen_backward = compiler.result
     assert (not _regathered_params(chosen_backward) & tail) == tail_kept
