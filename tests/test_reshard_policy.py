@@ -155,6 +155,7 @@ def test_bad_reshard_options_are_clear_errors(options, message):
 def test_reshard_options_match_a_single_process_under_inductor():
     """World size 2, Inductor, gloo: keeping all, some (pattern, with activation checkpointing)
     or the budget's choice of units gathered (with gradient accumulation and the native
+    transports), or the default's tail through the partition derived to keep it (native
     transports), changes no number."""
     base = Training(model=functools.partial(TinyGPT, "none", n_blocks=3),
                     data=functools.partial(gpt_data, batch=8), loss=zoo_loss,
@@ -168,13 +169,40 @@ def test_reshard_options_match_a_single_process_under_inductor():
                                            "all_gather": "native", "reduce_scatter": "native"},
                             micro_batches=2),
     ]
-    results = run_local(train, 2, runs)
-    for run, per_rank in zip(runs, zip(*results)):
+    default = dataclasses.replace(base, compile={"all_gather": "native", "reduce_scatter": "native"})
+    runs.append(default)  # the default keeps the tail: its partition derived (keep_gathered)
+    results = run_local(_train_counting_derived_partitions, 2, runs)
+    for rank_result in results:
+        # the default run's training graph (the last partitioned) compiled the derived pair
+        assert rank_result["derived_compiled"][-1] is True, rank_result["derived_compiled"]
+    for run, per_rank in zip(runs, zip(*(r["results"] for r in results))):
         ref = reference(run)
         for result in per_rank:
             assert max(abs(a - b) for a, b in zip(result.losses, ref.losses)) < 1e-5, run.compile
             for name, value in ref.params.items():
                 assert torch.allclose(result.params[name], value, atol=1e-5), (run.compile, name)
+
+
+def _train_counting_derived_partitions(rank: int, world: int, runs: list[Training]) -> dict:
+    """`train`, recording for each partition whether it returned the pair keep_gathered derived."""
+    from graphshard.compiler import backend
+    from graphshard.compiler import partition as partition_module
+
+    derived, compiled = [], []
+    original_keep_gathered, original_partition = partition_module.keep_gathered, backend.partition
+
+    def keep_gathered_recorded(*args):
+        derived.append(original_keep_gathered(*args))
+        return derived[-1]
+
+    def partition_recorded(*args, **kwargs):
+        pair = original_partition(*args, **kwargs)
+        compiled.append(bool(derived) and pair is derived[-1])
+        return pair
+
+    partition_module.keep_gathered = keep_gathered_recorded
+    backend.partition = partition_recorded
+    return {"results": train(rank, world, runs), "derived_compiled": compiled}
 
 
 class _Partitions(GraphshardCompiler):
