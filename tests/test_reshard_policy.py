@@ -184,7 +184,11 @@ def test_reshard_options_match_a_single_process_under_inductor():
 
 
 def _train_counting_derived_partitions(rank: int, world: int, runs: list[Training]) -> dict:
-    """`train`, recording for each partition whether it returned the pair keep_gathered derived."""
+    """`train`, recording for each partition whether it returned the pair keep_gathered derived.
+    A cache directory of this rank's own: every rank compiles (none is served a compile)."""
+    import os
+    import tempfile
+
     from graphshard.compiler import backend
     from graphshard.compiler import partition as partition_module
 
@@ -202,6 +206,7 @@ def _train_counting_derived_partitions(rank: int, world: int, runs: list[Trainin
 
     partition_module.keep_gathered = keep_gathered_recorded
     backend.partition = partition_recorded
+    os.environ["TORCHINDUCTOR_CACHE_DIR"] = tempfile.mkdtemp(prefix="graphshard-test-")
     return {"results": train(rank, world, runs), "derived_compiled": compiled}
 
 
