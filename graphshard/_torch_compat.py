@@ -535,3 +535,21 @@ def inductor_config_changes_made_by(fn: Callable[[], Any]) -> dict[str, Any]:
     finally:
         inductor_config.load_config(before)
     return {key: value for key, value in after.items() if before.get(key) != value}
+
+
+def settle_inductor_host_probes() -> None:
+    """Run, in this process, the per-process checks Inductor makes of the host before its first
+    CPU kernel: which vector ISAs g++ builds and loads (one probe subprocess per ISA, about 1-2 s
+    a process) and the hash of torch's sources that keys its caches. Both are cached for the
+    process's life, so processes forked after this inherit the answers."""
+    from torch._inductor import codecache, cpu_vec_isa
+
+    cpu_vec_isa.valid_vec_isa_list()
+    codecache.torch_key()
+
+
+def inductor_vector_isa_probed() -> bool:
+    """Whether this process already knows which vector ISAs Inductor's kernels may use."""
+    from torch._inductor import cpu_vec_isa
+
+    return cpu_vec_isa.valid_vec_isa_list.cache_info().currsize > 0

@@ -109,3 +109,15 @@ def test_ranks_forked_from_the_server_draw_their_own_numpy_numbers():
     # sample alike (spawned ranks seed from the OS)
     first, second = run_local(_numpy_draw, 2), run_local(_numpy_draw, 2)
     assert len(set(first + second)) == 4, (first, second)
+
+
+def _vector_isa_probed(rank: int, world: int) -> bool:
+    from graphshard._torch_compat import inductor_vector_isa_probed
+
+    return inductor_vector_isa_probed()
+
+
+def test_ranks_forked_from_the_server_inherit_inductors_host_probes():
+    # Inductor probes the vector ISAs once a process (a g++ build and a dlopen subprocess for
+    # each): the fork server probes them, so a rank's first compile or cache load does not
+    assert run_local(_vector_isa_probed, 2) == [True, True]

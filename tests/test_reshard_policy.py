@@ -206,8 +206,9 @@ def _train_counting_derived_partitions(rank: int, world: int, runs: list[Trainin
 
     partition_module.keep_gathered = keep_gathered_recorded
     backend.partition = partition_recorded
-    os.environ["TORCHINDUCTOR_CACHE_DIR"] = tempfile.mkdtemp(prefix="graphshard-test-")
-    return {"results": train(rank, world, runs), "derived_compiled": compiled}
+    with tempfile.TemporaryDirectory(prefix="graphshard-test-") as cache:
+        os.environ["TORCHINDUCTOR_CACHE_DIR"] = cache
+        return {"results": train(rank, world, runs), "derived_compiled": compiled}
 
 
 class _Partitions(GraphshardCompiler):

@@ -26,9 +26,11 @@ import torch.multiprocessing as mp
 DEFAULT_TIMEOUT_S = 120.0
 # Ranks start from a fork server that has imported these once: every launch after a process's
 # first starts its ranks in milliseconds instead of each rank importing torch again (about 3 s a
-# launch here), and Dynamo and Inductor too (0.6 s a rank, in every launch that compiles).
+# launch here), and Dynamo and Inductor too (0.6 s a rank, in every launch that compiles), and
+# Inductor's host probes (its vector-ISA checks, 1-2 s a rank: rank_preload.py).
 # Importing them starts no thread (OpenBLAS's pool handles fork itself).
-_PRELOAD = ["torch", "graphshard", "torch._dynamo", "torch._inductor.compile_fx"]
+_PRELOAD = ["torch", "graphshard", "torch._dynamo", "torch._inductor.compile_fx",
+            "graphshard.tools.rank_preload"]
 # Variables read once, when the interpreter starts or torch is imported (TORCH_LOGS,
 # TORCHINDUCTOR_*, OMP_NUM_THREADS, PYTHONHASHSEED, LD_PRELOAD, ...): the fork server's ranks
 # see them as they were when it started, so a change to one means a fresh (spawned) start.
