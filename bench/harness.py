@@ -96,6 +96,38 @@ def placed_set_up(name: str, cfg: BenchConfig, workload: Workload,
     return set_up(name, cfg, workload, placement.mesh, placement.inputs)
 
 
+@dataclass(frozen=True)
+class CpuSample:
+    """A span of time: its wall seconds, this rank's CPU seconds (all its threads), and the
+    CPU seconds every process of the machine used and the hypervisor stole (/proc/stat; None
+    where there is none). The report takes the ranks' own from the machine's: what others used."""
+
+    wall_s: float
+    own_s: float
+    machine_busy_s: float | None
+    machine_steal_s: float | None
+
+    @staticmethod
+    def now() -> "CpuSample":
+        busy = steal = None
+        try:
+            with open("/proc/stat") as f:
+                fields = [int(v) for v in f.readline().split()[1:]]
+            tick = os.sysconf("SC_CLK_TCK")
+            user, nice, system, _idle, _iowait, irq, softirq, steal_ticks = fields[:8]
+            busy, steal = (user + nice + system + irq + softirq) / tick, steal_ticks / tick
+        except (OSError, IndexError, ValueError):
+            pass
+        return CpuSample(time.perf_counter(), time.process_time(), busy, steal)
+
+    def since(self, start: "CpuSample") -> "CpuSample":
+        def delta(a, b):
+            return None if a is None or b is None else a - b
+        return CpuSample(self.wall_s - start.wall_s, self.own_s - start.own_s,
+                         delta(self.machine_busy_s, start.machine_busy_s),
+                         delta(self.machine_steal_s, start.machine_steal_s))
+
+
 @dataclass
 class RankResult:
     """What one rank measured in one launch, keyed by method name."""
@@ -108,6 +140,10 @@ class RankResult:
     dynamo: dict[str, dict[str, int]] = field(default_factory=dict)  # compile counters
     predicted_peak_bytes: dict[str, int] = field(default_factory=dict)  # graphshard's memory model
     loadavg: list[list[float]] = field(default_factory=list)  # one (1, 5, 15 min) per repeat
+    cpu: list[CpuSample] = field(default_factory=list)  # one per repeat: what used the CPUs
+
+    def __post_init__(self):  # read back from the launch's JSON: dicts
+        self.cpu = [c if isinstance(c, CpuSample) else CpuSample(**c) for c in self.cpu]
 
 
 # --------------------------------------------------------------------------- one method
@@ -252,10 +288,14 @@ def timing_phase(cfg: BenchConfig, workload: Workload, placements: dict[bool, Ra
         result.loadavg.append(list(os.getloadavg()))
         names = [n for n in steps if result.status[n] == OK]
         shift = repeat % max(1, len(names))
+        dist.barrier()
+        start = CpuSample.now()
         for name in names[shift:] + names[:shift]:
             dist.barrier()  # start each method's block together on all ranks
             _run_steps(name, steps[name], cfg.steps, result, result.step_s[name])
             result.status = _agree(result.status)
+        dist.barrier()
+        result.cpu.append(CpuSample.now().since(start))
     return result
 
 

@@ -61,6 +61,27 @@ def _method_summary(name: str, timing: list[RankResult], profile: list[RankResul
     return entry
 
 
+# A run is flagged when, in some repeat, processes other than the bench's ranks used more than
+# this share of the machine's CPUs, or the hypervisor stole more than that one (a rank's own
+# gloo threads count as its own: a 2-rank run on 2 CPUs is busy, not loaded).
+HEAVY_OTHER_SHARE, HEAVY_STEAL_SHARE = 0.25, 0.10
+
+
+def other_cpu_shares(timing: list[RankResult], cpus: int) -> list[tuple[float, float]]:
+    """Per timed repeat: (the share of the CPUs used by processes other than the ranks, the
+    share stolen), from each rank's CpuSample; [] where the machine's counters are missing."""
+    shares = []
+    for samples in zip(*(rank.cpu for rank in timing)):
+        first = samples[0]
+        if first.machine_busy_s is None or first.wall_s <= 0:
+            return []
+        capacity = first.wall_s * cpus
+        own = sum(sample.own_s for sample in samples)
+        shares.append((max(0.0, first.machine_busy_s - own) / capacity,
+                       first.machine_steal_s / capacity))
+    return shares
+
+
 def summarize(cfg: BenchConfig, timing: list[RankResult], profile: list[RankResult]) -> dict:
     methods = {name: _method_summary(name, timing, profile, cfg.steps) for name in cfg.methods}
     ok = [name for name, m in methods.items() if m["status"] == OK]
@@ -83,9 +104,16 @@ def summarize(cfg: BenchConfig, timing: list[RankResult], profile: list[RankResu
     cpus = os.cpu_count() or 1
     loadavg = timing[0].loadavg
     notes = []
-    heavy = any(load[0] > cpus for load in loadavg)
+    others = other_cpu_shares(timing, cpus)
+    heavy = any(share > HEAVY_OTHER_SHARE or steal > HEAVY_STEAL_SHARE for share, steal in others)
     if heavy:
-        notes.append(f"under heavy load: 1-min load average exceeded {cpus} CPUs during the run "
+        notes.append("under heavy load: " + ", ".join(
+            f"repeat {i + 1}: others {share:.0%}, stolen {steal:.0%}"
+            for i, (share, steal) in enumerate(others)) + f" of the {cpus} CPUs while the methods "
+            "ran; timings are unreliable")
+    elif not others and any(load[0] > cpus + cfg.nproc for load in loadavg):
+        heavy = True  # no /proc/stat: the load average beyond the ranks' own
+        notes.append(f"under heavy load: 1-min load average above {cpus} CPUs + {cfg.nproc} ranks "
                      f"({', '.join(f'{l[0]:.2f}' for l in loadavg)}); timings are unreliable")
     if cfg.nproc > cpus:
         notes.append(f"{cfg.nproc} ranks on {cpus} CPUs oversubscribe the machine: "
@@ -101,6 +129,8 @@ def summarize(cfg: BenchConfig, timing: list[RankResult], profile: list[RankResu
                    "model_args": dict(cfg.model_args), "threads_per_rank": cfg.threads_per_rank},
         "environment": {"torch": torch.__version__, "python": platform.python_version(),
                         "cpu_count": cpus, "loadavg_per_repeat": loadavg,
+                        "other_cpu_share_per_repeat": [share for share, _ in others],
+                        "steal_share_per_repeat": [steal for _, steal in others],
                         "heavy_load": heavy, "oversubscribed": cfg.nproc > cpus},
         "loss_reference": reference,
         "methods": methods,

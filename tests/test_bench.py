@@ -77,6 +77,37 @@ def test_ratio_per_repeat_pairs_the_methods_timed_back_to_back():
     assert ddp["ratio_vs_fsdp2_eager"] == 0.5  # overall medians: 2 s against 4 s
 
 
+def test_heavy_load_is_what_other_processes_used_beside_the_ranks():
+    """Two ranks keeping 2 CPUs busy are the bench, not load; CPU that the machine used beyond
+    the ranks' own, or that the hypervisor stole, is."""
+    from graphshard.bench.harness import CpuSample
+    from graphshard.bench.report import summarize
+
+    cfg = BenchConfig(methods=("ddp_eager",), steps=2, repeats=2)
+
+    def ranks(machine_busy: list[float], steal: list[float]) -> list[RankResult]:
+        return [RankResult(status={"ddp_eager": "ok"}, step_s={"ddp_eager": [1.0] * 4},
+                           losses={"ddp_eager": [1.0]},
+                           cpu=[CpuSample(10.0, 9.5, busy, stolen)
+                                for busy, stolen in zip(machine_busy, steal)])
+                for _ in range(2)]
+
+    def environment(rank_results):
+        return summarize(cfg, rank_results, [RankResult()] * 2)
+
+    busy = environment(ranks([19.0, 20.0], [0.0, 0.0]))
+    assert busy["environment"]["heavy_load"] is False, busy["notes"]
+    assert busy["environment"]["other_cpu_share_per_repeat"] == [0.0, 0.05]
+    loaded = environment(ranks([19.0, 20.0], [0.0, 4.0]))  # 20% of 2 CPUs x 10 s stolen
+    assert loaded["environment"]["heavy_load"] is True
+    assert any("stolen 20%" in note for note in loaded["notes"]), loaded["notes"]
+    shared = [RankResult(status={"ddp_eager": "ok"}, step_s={"ddp_eager": [1.0] * 4},
+                         losses={"ddp_eager": [1.0]}, cpu=[CpuSample(10.0, 5.0, 20.0, 0.0)] * 2)
+              for _ in range(2)]  # the ranks used half of what the machine did
+    assert environment(shared)["environment"]["other_cpu_share_per_repeat"] == [0.5, 0.5]
+    assert environment(shared)["environment"]["heavy_load"] is True
+
+
 def _fake_spawn(failures: list[str | None]):
     """mp.spawn stand-in: raises for each entry of `failures` (a signal name, or None for a
     plain non-zero exit), then writes one empty result per rank."""
