@@ -53,13 +53,13 @@ def keep_gathered(forward: fx.GraphModule, backward: fx.GraphModule, params: Col
     if not checked or len(descs) != len(outputs):
         return None  # nothing saved to place it beside, or descriptors that do not match
     fw_at = checked[-1]
-    bw_after = next(n for n in bw_inputs if n.name == outputs[fw_at].name)
+    placeholders = {n.name: n for n in bw_inputs}
+    bw_after = placeholders[outputs[fw_at].name]
 
     for regather in regathers:
         weight = gathered[UnshardSpec.from_node(regather).name]
         if weight.name in saved:  # already saved (a unit's weight read by two regathers)
-            placeholder = next(n for n in backward.graph.find_nodes(op="placeholder")
-                               if n.name == weight.name)
+            placeholder = placeholders[weight.name]
         else:
             descs.insert(fw_at + 1, descs[fw_at])
             fw_at += 1
@@ -67,7 +67,7 @@ def keep_gathered(forward: fx.GraphModule, backward: fx.GraphModule, params: Col
             with backward.graph.inserting_after(bw_after):
                 placeholder = backward.graph.placeholder(weight.name)
             placeholder.meta = copy.copy(weight.meta)  # as the partitioner copies a saved value's
-            bw_after = placeholder
+            bw_after = placeholders[weight.name] = placeholder
             saved.add(weight.name)
         regather.replace_all_uses_with(placeholder)
         erased = _erase_with_dead_inputs(backward.graph, regather)
@@ -77,14 +77,17 @@ def keep_gathered(forward: fx.GraphModule, backward: fx.GraphModule, params: Col
             placeholder.name = weight.name  # a saved value's name in both graphs, as partitioned
 
     # saved values backward no longer reads (the shards it gathered): out of both lists
-    for node in list(backward.graph.find_nodes(op="placeholder")):
-        if node.name in saved and not node.users:
-            fw_node = next(n for n in outputs if isinstance(n, fx.Node) and n.name == node.name)
-            if not isinstance(fw_node.meta.get("val"), torch.Tensor):
+    unread = {n.name for n in backward.graph.find_nodes(op="placeholder")
+              if n.name in saved and not n.users}
+    # the last occurrence of each is the saved one (a value may also be returned, earlier)
+    for at in reversed(range(len(outputs))):
+        node = outputs[at]
+        if isinstance(node, fx.Node) and node.name in unread:
+            unread.discard(node.name)
+            if not isinstance(node.meta.get("val"), torch.Tensor):
                 continue  # symbolic sizes stay: the saved tensors' shapes may bind them
-            at = max(i for i, n in enumerate(outputs) if n is fw_node)  # saved, not returned
             del descs[at], outputs[at]
-            backward.graph.erase_node(node)
+            backward.graph.erase_node(placeholders[node.name])
     fw_output.args = (tuple(outputs),)
     if "desc" in fw_output.meta:
         fw_output.meta["desc"] = _numbered(descs)

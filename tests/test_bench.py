@@ -85,10 +85,10 @@ def test_heavy_load_is_what_other_processes_used_beside_the_ranks():
 
     cfg = BenchConfig(methods=("ddp_eager",), steps=2, repeats=2)
 
-    def ranks(machine_busy: list[float], steal: list[float]) -> list[RankResult]:
+    def ranks(machine_busy: list[float], steal: list[float], own: float = 9.5) -> list[RankResult]:
         return [RankResult(status={"ddp_eager": "ok"}, step_s={"ddp_eager": [1.0] * 4},
                            losses={"ddp_eager": [1.0]},
-                           cpu=[CpuSample(10.0, 9.5, busy, stolen)
+                           cpu=[CpuSample(10.0, own, busy, stolen)
                                 for busy, stolen in zip(machine_busy, steal)])
                 for _ in range(2)]
 
@@ -101,9 +101,7 @@ def test_heavy_load_is_what_other_processes_used_beside_the_ranks():
     loaded = environment(ranks([19.0, 20.0], [0.0, 4.0]))  # 20% of 2 CPUs x 10 s stolen
     assert loaded["environment"]["heavy_load"] is True
     assert any("stolen 20%" in note for note in loaded["notes"]), loaded["notes"]
-    shared = [RankResult(status={"ddp_eager": "ok"}, step_s={"ddp_eager": [1.0] * 4},
-                         losses={"ddp_eager": [1.0]}, cpu=[CpuSample(10.0, 5.0, 20.0, 0.0)] * 2)
-              for _ in range(2)]  # the ranks used half of what the machine did
+    shared = ranks([20.0, 20.0], [0.0, 0.0], own=5.0)  # the ranks used half of what the machine did
     assert environment(shared)["environment"]["other_cpu_share_per_repeat"] == [0.5, 0.5]
     assert environment(shared)["environment"]["heavy_load"] is True
 
