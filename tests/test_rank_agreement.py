@@ -237,7 +237,7 @@ def cache_worker(rank: int, world: int) -> dict:
     ours ran, so it publishes no schedule); rank 0 compiles that graph and checks it. Then
     rank 1 loads a graph whose schedule no rank published."""
     from graphshard.compiler.schedule_check import check_schedule, record_served_from_cache
-    from tests.test_passes import gather_graph
+    from tests.pass_graphs import gather_graph
 
     gm = gather_graph(world, [("layers.0.a", (8, 4), torch.float32)], rank=rank)
     result = {}
@@ -273,7 +273,7 @@ def loader_worker(rank: int, world: int) -> dict:
     once rank 2 is done. Rank 1 publishes no schedule while it waits: rank 0 must take rank 2's
     as rank 1's, not wait for rank 1 (which waits for rank 2, which waits for rank 0)."""
     from graphshard.compiler.schedule_check import check_schedule, record_served_from_cache
-    from tests.test_passes import gather_graph
+    from tests.pass_graphs import gather_graph
 
     gm = gather_graph(world, [("layers.0.a", (9, 4), torch.float32)], rank=0)
     result = {}
