@@ -101,9 +101,9 @@ def test_heavy_load_is_what_other_processes_used_beside_the_ranks():
     loaded = environment(ranks([19.0, 20.0], [0.0, 4.0]))  # 20% of 2 CPUs x 10 s stolen
     assert loaded["environment"]["heavy_load"] is True
     assert any("stolen 20%" in note for note in loaded["notes"]), loaded["notes"]
-    shared = ranks([20.0, 20.0], [0.0, 0.0], own=5.0)  # the ranks used half of what the machine did
-    assert environment(shared)["environment"]["other_cpu_share_per_repeat"] == [0.5, 0.5]
-    assert environment(shared)["environment"]["heavy_load"] is True
+    shared = environment(ranks([20.0, 20.0], [0.0, 0.0], own=5.0))  # the ranks used half of it
+    assert shared["environment"]["other_cpu_share_per_repeat"] == [0.5, 0.5]
+    assert shared["environment"]["heavy_load"] is True
 
 
 def _fake_spawn(failures: list[str | None]):

@@ -21,7 +21,9 @@ from graphshard.passes.graph_utils import (
 from graphshard.passes.liveness import graph_memory, memory_estimate
 from graphshard.passes.reorder_collectives import ReorderPolicy, reorder_collectives
 from tests.capture import call_nodes, capture_step
-from tests.pass_graphs import MB, gather_graph, ctx, compute_nodes_between, inflight_peak, small_transformer, nbytes
+from tests.pass_graphs import (
+    MB, compute_nodes_between, ctx, gather_graph, inflight_peak, nbytes, small_transformer,
+)
 
 
 def test_prefetch_issues_next_gather_before_current_compute_and_budget_zero_disables_it():
