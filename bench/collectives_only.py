@@ -20,7 +20,9 @@ import torch.nn as nn
 
 from graphshard.passes.graph_utils import ALL_GATHER, ALL_REDUCE, ALL_TO_ALL, REDUCE_SCATTER, WAIT
 
-_ISSUED = (ALL_GATHER, REDUCE_SCATTER, ALL_REDUCE, ALL_TO_ALL)
+# with the transports' exchange that leaves the own chunk out (compiler/ops.py)
+_ISSUED = (ALL_GATHER, REDUCE_SCATTER, ALL_REDUCE, ALL_TO_ALL,
+           torch.ops.graphshard.exchange_with_peers.default)
 GRAPH_KINDS = ("forward", "backward")
 
 

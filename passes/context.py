@@ -16,9 +16,9 @@ class PassContext:
     cluster: Any = None  # graphshard.compiler.cost_model.ClusterSpec for the cost model (None: default)
     # collective kinds to exchange by all-to-all: resolved from the options and the group's backend
     via_all_to_all: frozenset[str] = frozenset()
-    # this process's rank in each process group the collectives name: an all-to-all leaves the
-    # rank's own chunk out of the exchange (empty: every chunk goes through the transport)
-    group_ranks: Mapping[str, int] = field(default_factory=dict)
+    # an all-to-all leaves the rank's own chunk out of the exchange where it can (False: every
+    # chunk goes through the transport, as the cost model's probes price it)
+    own_chunk_local: bool = False
     # joint graph, reshard_after_forward="auto": the parameters the backend chose to keep gathered
     keep_gathered: frozenset[str] | None = None
     # joint graph, default option: keep the tail of forward beyond its last unit (the backend

@@ -54,6 +54,12 @@ def is_float8_scale(node: fx.Node) -> bool:
     return _is_op(node, "float8_scale")
 
 
+def is_exchange_with_peers(node: fx.Node) -> bool:
+    """graphshard::exchange_with_peers (compiler/ops.py): an all-to-all that leaves the rank's
+    own chunk out, its splits found when it runs, so that every rank shares one graph."""
+    return _is_op(node, "exchange_with_peers")
+
+
 def all_nodes(gm: fx.GraphModule) -> Iterator[fx.Node]:
     """Nodes of the graph and of its subgraphs (activation-checkpoint and other HOP bodies)."""
     for module in gm.modules():
@@ -67,7 +73,8 @@ def call_nodes(gm: fx.GraphModule, target) -> list[fx.Node]:
 
 def _transported(node: fx.Node) -> bool:
     """An all-to-all the transport stage made of one of our collectives (it keeps the kind)."""
-    return node.target is ALL_TO_ALL and node.meta.get(meta_keys.LOWERED_FROM) in COLLECTIVES.values()
+    return ((node.target is ALL_TO_ALL or is_exchange_with_peers(node))
+            and node.meta.get(meta_keys.LOWERED_FROM) in COLLECTIVES.values())
 
 
 def is_collective(node: fx.Node) -> bool:
@@ -114,6 +121,8 @@ def collective_group(node: fx.Node) -> tuple[str, int]:
         return node.args[3], node.args[2]
     if node.target is ALL_REDUCE:
         return node.args[2], node.meta.get(meta_keys.GROUP_SIZE, 0)
+    if is_exchange_with_peers(node) and _transported(node):
+        return node.args[2], node.args[1]
     if _transported(node):
         return node.args[3], len(node.args[1])
     raise ValueError(f"{node.name} is not a collective")
@@ -150,9 +159,9 @@ def unsharded_bytes(collective: fx.Node) -> int:
 def exchange_share(exchange: fx.Node) -> Fraction:
     """The full buffer over what an exchange holds: N / (N - 1) where the rank's own chunk
     stays local, else 1."""
-    if not exchange.meta.get(meta_keys.OWN_CHUNK_LOCAL):
+    if not is_exchange_with_peers(exchange):
         return Fraction(1)
-    group_size = len(exchange.args[1])
+    group_size = exchange.args[1]
     return Fraction(group_size, group_size - 1)
 
 

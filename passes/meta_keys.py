@@ -15,7 +15,6 @@ BUCKET = "graphshard_bucket"  # the unit a bucketed collective belongs to ("laye
 LOWERED_FROM = "graphshard_lowered_from"  # the collective an all-to-all carries ("all_gather", ...)
 GROUP_SIZE = "graphshard_group_size"  # ranks of an all-reduce's group (its args carry none)
 PAYLOAD_DTYPE = "graphshard_payload_dtype"  # what a collective's bytes are (float8 sent as uint8)
-OWN_CHUNK_LOCAL = "graphshard_own_chunk_local"  # an exchange that leaves this rank's chunk out
 
 # gm.meta
 STAGES = "graphshard_stages"  # names of the pipeline stages run on this graph, in order

@@ -17,7 +17,8 @@ from dataclasses import dataclass
 import torch.fx as fx
 
 from graphshard.passes.graph_utils import (ALL_REDUCE, ALL_TO_ALL, collective_group, collective_kind,
-                                           collective_params, is_collective)
+                                           collective_params, is_collective,
+                                           is_exchange_with_peers)
 
 
 @dataclass(frozen=True)
@@ -44,10 +45,9 @@ class CollectiveRecord:
 
 def _size(node: fx.Node) -> str:
     if node.target is ALL_TO_ALL:
-        # The chunk each pair of ranks exchanges. Some ranks leave their own chunk out (a split
-        # of 0: the first and last rank of the group, not the middle ones), which no peer sees.
-        chunks = sorted({str(s) for s in node.args[1]} - {"0"})
-        return "chunk " + "/".join(chunks)
+        return "chunk " + "/".join(sorted({str(s) for s in node.args[1]}))  # each pair's
+    if is_exchange_with_peers(node):  # the own chunk left out: N - 1 chunks received
+        return f"chunk {node.meta['val'].shape[0] // (collective_group(node)[1] - 1)}"
     if node.target is ALL_REDUCE:
         return "shard"  # a hybrid replica all-reduce of the rank's shard: sizes differ by replica
     value = node.args[0].meta.get("val")

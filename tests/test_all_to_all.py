@@ -95,21 +95,36 @@ class SimulatedExchange:
         return all_to_all_single
 
 
-def _run_ranks(graphs: list[fx.GraphModule], inputs: list[list[torch.Tensor]]) -> list:
-    """Each rank's graph on real tensors, its all-to-alls exchanging with the others'."""
-    from graphshard.passes.graph_utils import ALL_TO_ALL
+def _run_ranks(graphs: list[fx.GraphModule], inputs: list[list[torch.Tensor]],
+               monkeypatch) -> list:
+    """Each rank's graph on real tensors in a thread of its own, its all-to-alls exchanging
+    with the others' (each thread's process-group rank is its own)."""
+    from graphshard import _torch_compat
+    from graphshard.compiler.ops import peer_exchange
+    from graphshard.passes.graph_utils import ALL_TO_ALL, is_exchange_with_peers
 
-    exchange = SimulatedExchange(len(graphs))
+    exchange, local = SimulatedExchange(len(graphs)), threading.local()
+    monkeypatch.setattr(_torch_compat, "process_group_rank", lambda group_name: local.rank)
+
+    def with_peers(rank):
+        def run(buffer, group_size, group_name, holds_own_chunk):
+            send, splits = peer_exchange(buffer, group_size, holds_own_chunk, rank)
+            return exchange.for_rank(rank)(send, splits, splits, group_name)
+        return run
+
     for rank, gm in enumerate(graphs):
         for node in gm.graph.nodes:
             if node.target is ALL_TO_ALL:
                 node.target = exchange.for_rank(rank)
+            elif is_exchange_with_peers(node):
+                node.target = with_peers(rank)
             elif node.target is WAIT:
                 node.target = torch.clone
         gm.recompile()
     results: list = [None] * len(graphs)
 
     def run(rank):
+        local.rank = rank
         results[rank] = graphs[rank](*inputs[rank])
 
     threads = [threading.Thread(target=run, args=(rank,)) for rank in range(len(graphs))]
@@ -121,14 +136,16 @@ def _run_ranks(graphs: list[fx.GraphModule], inputs: list[list[torch.Tensor]]) -
 
 
 @pytest.mark.parametrize("world", [2, 4])
-def test_all_to_all_keeps_each_ranks_own_chunk_local_and_the_results_unchanged(world):
-    """With the rank known, an exchange leaves the rank's own chunk out: the gather's send buffer
-    holds N - 1 copies and the copy-out takes the own row from it; the reduce-scatter sends all
-    but its own chunk where that is the first or the last (a middle rank exchanges it all).
-    Every rank's graph, run on real tensors against the others' (uneven shards at world 4),
-    gives the full parameters and the averaged gradient shards."""
+def test_all_to_all_keeps_each_ranks_own_chunk_local_in_one_graph_for_every_rank(world, monkeypatch):
+    """An exchange leaves the rank's own chunk out, found when it runs, so every rank's graph
+    is the same: the gather's send buffer holds N - 1 copies and the copy-out puts the own row
+    from it in the rank's place; at world size 2 the reduce-scatter sends the chunk that is not
+    the rank's (larger groups exchange it all: their middle ranks' chunks are not first or
+    last). Every rank's graph, run on real tensors against the others' (uneven shards), gives
+    the full parameters and the averaged gradient shards."""
     from graphshard.passes.all_gather_via_all_to_all import all_gather_via_all_to_all
-    from graphshard.passes.graph_utils import ALL_TO_ALL, exchange_share, unsharded_bytes
+    from graphshard.passes.graph_utils import (ALL_TO_ALL, exchange_share, is_exchange_with_peers,
+                                              unsharded_bytes)
     from graphshard.passes.reduce_scatter_via_all_to_all import reduce_scatter_via_all_to_all
 
     params = [("layers.0.a", (11, 3), torch.float32), ("layers.0.b", (6,), torch.float32),
@@ -139,27 +156,35 @@ def test_all_to_all_keeps_each_ranks_own_chunk_local_and_the_results_unchanged(w
         chunk = dim0_chunk(tensor.shape[0], world)
         return tensor[rank * chunk:(rank + 1) * chunk]
 
+    def rank_free(gm):  # what the exchanges and the copy-out are told: nothing of the rank
+        return [(str(n.target), fx.node.map_arg(n.args, lambda arg: arg.name))
+                for n in gm.graph.nodes if n.target is ALL_TO_ALL or is_exchange_with_peers(n)
+                or n.target is torch.ops.graphshard.split_copy.default]
+
     graphs, inputs = [], []
     for rank in range(world):
         gm = bucket_collectives(gather_graph(world, params, backward=True, rank=rank), ctx(bucket_mb=64))
         full_bucket = {collective_kind(c): unsharded_bytes(c) for c in gm.graph.nodes if is_collective(c)}
-        context = PassContext("forward", GraphshardOptions(), group_ranks={"0": rank})
+        context = PassContext("forward", GraphshardOptions(), own_chunk_local=True)
         gm = all_gather_via_all_to_all(reduce_scatter_via_all_to_all(gm, context), context)
-        gather, scatter = sorted(call_nodes(gm, ALL_TO_ALL), key=collective_kind)
-        own_first_or_last = rank in (0, world - 1)
-        assert gather.args[1][rank] == 0 and sum(1 for size in gather.args[1] if size) == world - 1
-        assert (scatter.args[1][rank] == 0) == own_first_or_last
+        gather, scatter = sorted((n for n in gm.graph.nodes if is_collective(n)), key=collective_kind)
+        assert is_exchange_with_peers(gather) and gather.args[1:] == (world, "0", False)
         assert exchange_share(gather) == fractions.Fraction(world, world - 1)
+        if world == 2:
+            assert is_exchange_with_peers(scatter) and scatter.args[1:] == (2, "0", True)
+        else:
+            assert scatter.target is ALL_TO_ALL and exchange_share(scatter) == 1
         # what the memory model and the cost model see as the collective: the full bucket
         assert {collective_kind(c): unsharded_bytes(c) for c in (gather, scatter)} == full_bucket
         (copy_out,) = call_nodes(gm, torch.ops.graphshard.split_copy.default)
-        assert len(copy_out.args[0]) == (2 if rank in (0, world - 1) else 3)  # row blocks
+        assert len(copy_out.args[0]) == 2 and copy_out.args[2] == "0"  # received rows, own row
         graphs.append(gm)
         inputs.append([rows_of(full[name], rank) for name, _, _ in params])
-    # the schedule check sees one schedule on every rank: first, middle and last alike
+    assert all(rank_free(gm) == rank_free(graphs[0]) for gm in graphs)
+    # the schedule check sees one schedule on every rank
     from graphshard.passes.schedule_digest import collective_sequence, schedule_digest
     assert len({schedule_digest(collective_sequence(gm)) for gm in graphs}) == 1
-    for rank, outputs in enumerate(_run_ranks(graphs, inputs)):
+    for rank, outputs in enumerate(_run_ranks(graphs, inputs, monkeypatch)):
         for index, (name, _, _) in enumerate(params):
             product, grad = outputs[2 * index], outputs[2 * index + 1]
             torch.testing.assert_close(product, 2 * full[name], rtol=0, atol=0)

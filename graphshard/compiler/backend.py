@@ -70,8 +70,8 @@ class GraphshardCompiler:
         """The same compiler (cluster, the graph being compiled) with other options and no
         observer: what it lowers is a probe (the planner's, "auto"'s), not the compiled step."""
         other = GraphshardCompiler(options, None, self.cluster)
-        # A probe's prediction must be every rank's: no rank-specific lowering in it.
-        other.split_context = self.split_context._replace(group_ranks={})
+        # A probe prices every chunk through the transport, as the planner's captures do.
+        other.split_context = self.split_context._replace(own_chunk_local=False)
         return other
 
     def run_split_stages(self, forward: fx.GraphModule, backward: fx.GraphModule, *,
@@ -84,7 +84,7 @@ class GraphshardCompiler:
     def context(self, graph_kind: str, split: SplitContext = SplitContext()) -> PassContext:
         """What a stage of `graph_kind`'s graph may know besides the graph."""
         return PassContext(graph_kind, self.options, split.param_order, self.cluster,
-                           split.via_all_to_all, group_ranks=split.group_ranks)
+                           split.via_all_to_all, own_chunk_local=split.own_chunk_local)
 
     def partition(self, joint: fx.GraphModule, joint_inputs, **kwargs):
         """AOTAutograd's partition_fn (partition.partition)."""
@@ -139,8 +139,7 @@ class GraphshardCompiler:
             with compat.fake_mode_of_inputs(example_inputs), compat.lazy_graph_modules():
                 return backend(gm, example_inputs)
 
-        reason = per_rank_compile_reason(self.options, cached=cached,
-                                         rank_specific=bool(split.group_ranks))
+        reason = per_rank_compile_reason(self.options, cached=cached)
         if reason is None:
             key = host_compile_key(gm.code, compat.cache_key_salt(gm), example_inputs)
             # the claimant stores the whole compile, backward included, before its first step

@@ -6,7 +6,6 @@ from typing import Mapping, NamedTuple
 
 import torch.fx as fx
 
-from graphshard import _torch_compat as compat
 from graphshard.compiler.options import GraphshardOptions
 from graphshard.passes.graph_utils import all_nodes, is_reduce_grad, is_unshard, unshard_specs
 
@@ -16,7 +15,7 @@ class SplitContext(NamedTuple):
 
     param_order: Mapping[str, int] = {}  # parameter name -> registration index
     via_all_to_all: frozenset[str] = frozenset()  # collective kinds exchanged by all-to-all
-    group_ranks: Mapping[str, int] = {}  # process group name -> this process's rank in it
+    own_chunk_local: bool = False  # exchanges leave the rank's own chunk out (PassContext)
 
 
 def has_markers(gm: fx.GraphModule) -> bool:
@@ -26,20 +25,12 @@ def has_markers(gm: fx.GraphModule) -> bool:
 def split_context(gm: fx.GraphModule, options: GraphshardOptions) -> SplitContext:
     """The split stages' context for the graphs partitioned from the Dynamo graph `gm`."""
     via_all_to_all = options.via_all_to_all(on_gloo=_uses_gloo(gm))
-    return SplitContext(_param_order(gm), via_all_to_all, _group_ranks(gm) if via_all_to_all else {})
+    return SplitContext(_param_order(gm), via_all_to_all, own_chunk_local=bool(via_all_to_all))
 
 
 def _uses_gloo(gm: fx.GraphModule) -> bool:
     """Whether the markers' process groups are gloo's (their backend travels in each marker)."""
     return {spec.backend for spec in unshard_specs(gm, subgraphs=True).values()} == {"gloo"}
-
-
-def _group_ranks(gm: fx.GraphModule) -> dict[str, int]:
-    """This process's rank in each process group the markers name (gather and reduce groups)."""
-    names = set()
-    for spec in unshard_specs(gm, subgraphs=True).values():
-        names.update((spec.gather_group, *spec.reduce_groups))
-    return {name: compat.process_group_rank(name) for name in sorted(names) if name}
 
 
 def _param_order(gm: fx.GraphModule) -> dict[str, int]:

@@ -33,7 +33,6 @@ from graphshard import _torch_compat as compat
 from graphshard.compiler.compile_cache import reuses_cache
 from graphshard.compiler import rank_agreement
 from graphshard.compiler.rank_agreement import agreement_store
-from graphshard.passes import meta_keys
 
 log = logging.getLogger("graphshard")
 
@@ -93,20 +92,15 @@ def compile_once_per_host(key: str, compile_graphs: Callable[[], Any], *,
     return compile_graphs()
 
 
-def per_rank_compile_reason(options, *, cached: bool, rank_specific: bool) -> str | None:
+def per_rank_compile_reason(options, *, cached: bool) -> str | None:
     """Why each rank compiles its own graphs, or None where one compile per host applies.
-    `cached`: AOTAutograd may serve this compile from its cache (compile_cache.reuses_cache);
-    `rank_specific`: the lowered graphs name the rank's place in its groups."""
+    `cached`: AOTAutograd may serve this compile from its cache (compile_cache.reuses_cache)."""
     if not options.compile_once_per_host:
         return "compile_once_per_host=False"
     if options.compiler != "inductor":
         return f"compiler={options.compiler!r} produces nothing the compile caches store"
     if not (cached and compat.compile_caches_enabled()):
         return "the compile caches (AOTAutograd's and Inductor's FX graph cache) are off"
-    if rank_specific:
-        return ("the all-to-all transports (the default on gloo) keep each rank's own chunk out "
-                "of the exchange, so each rank's graphs name its place in the group; "
-                "all_gather='native' and reduce_scatter='native' make them rank-invariant")
     return None
 
 
@@ -116,12 +110,8 @@ def log_per_rank_compile(reason: str) -> None:
         log.info("graphshard: each rank compiles its own graphs: %s", reason)
 
 
-def compile_sharing(options, graphs) -> str:
-    """What `graphshard dump` says of a job's compiles, from its final (lowered) `graphs`:
-    "once per host", or "per rank: <why>"."""
-    rank_specific = any(node.meta.get(meta_keys.OWN_CHUNK_LOCAL)
-                        for gm in graphs for node in gm.graph.nodes)
+def compile_sharing(options) -> str:
+    """What `graphshard dump` says of a job's compiles: "once per host", or "per rank: <why>"."""
     reason = per_rank_compile_reason(
-        options, cached=reuses_cache(options, aot_cache=True, observed=False),
-        rank_specific=rank_specific)
+        options, cached=reuses_cache(options, aot_cache=True, observed=False))
     return "once per host" if reason is None else f"per rank: {reason}"

@@ -1,5 +1,5 @@
 """The marker ops `graphshard::unshard`, `graphshard::reduce_grad` and `graphshard::float8_scale`,
-and `graphshard::split_copy`.
+`graphshard::split_copy`, and the all-to-all transports' rank-invariant exchange ops.
 
 Dynamo and AOTAutograd see these as opaque functional ops, one per parameter read and one per
 gradient, carrying everything the lowering needs in their arguments (passes/markers.py types
@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import torch
 
+from graphshard import _torch_compat as compat
 from graphshard.runtime.collective_check import CheckedEagerEmitter
 from graphshard.passes.lowering import lower_float8_scale, lower_reduce_grad, lower_unshard
 from graphshard.passes.markers import REDUCE_SCHEMA, UNSHARD_SCHEMA, ReduceSpec, UnshardSpec
@@ -59,13 +60,19 @@ def _reduce_grad_fake(grad, *args):
 
 
 @torch.library.custom_op("graphshard::split_copy", mutates_args=())
-def split_copy(row_blocks: list[torch.Tensor], sizes: list[int]) -> list[torch.Tensor]:
+def split_copy(row_blocks: list[torch.Tensor], sizes: list[int],
+               own_row_group: str | None = None) -> list[torch.Tensor]:
     """Contiguous copies of consecutive column slices of `sizes` of the (rows, S) matrix that
-    `row_blocks` make stacked on dim 0: a bucket's copy-out in one call (its rows may come from
-    several buffers: an exchange that leaves this rank's own row out). Inductor runs it as is
+    `row_blocks` make stacked on dim 0: a bucket's copy-out in one call. Inductor runs it as is
     (FSDP2's split_with_sizes_copy), where slicing in the graph would make it generate and
     compile a kernel for every parameter: each differs in its offset into the bucket, so none
-    is shared between parameters."""
+    is shared between parameters. With `own_row_group`, `row_blocks` is (the rows received from
+    the peers, this rank's own row), and the own row goes in at this rank's place in that group,
+    found when it runs: the graph is every rank's (an exchange that leaves the own row out)."""
+    if own_row_group is not None:
+        received, own = row_blocks
+        rank = compat.process_group_rank(own_row_group)
+        row_blocks = [block for block in (received[:rank], own, received[rank:]) if block.shape[0]]
     if len(row_blocks) == 1:
         return list(torch.split_with_sizes_copy(row_blocks[0], sizes, 1))  # contiguous copies
     outputs = _split_copy_fake(row_blocks, sizes)
@@ -78,9 +85,66 @@ def split_copy(row_blocks: list[torch.Tensor], sizes: list[int]) -> list[torch.T
 
 
 @split_copy.register_fake
-def _split_copy_fake(row_blocks, sizes):
+def _split_copy_fake(row_blocks, sizes, own_row_group=None):
     rows = sum(block.shape[0] for block in row_blocks)
     return [row_blocks[0].new_empty((rows, size)) for size in sizes]
+
+
+# The transports' exchange ops run once per bucket per step: defined on a Library, not with
+# custom_op, whose Python wrapper costs about 10 us a call against about 3 us.
+_TRANSPORT_OPS = torch.library.Library("graphshard", "FRAGMENT")
+_TRANSPORT_OPS.define("exchange_with_peers(Tensor buffer, int group_size, str group_name, "
+                      "bool holds_own_chunk) -> Tensor")
+_TRANSPORT_OPS.define("own_chunk_index(Tensor like, str group_name) -> Tensor")
+
+
+def exchange_with_peers(buffer: torch.Tensor, group_size: int, group_name: str,
+                        holds_own_chunk: bool) -> torch.Tensor:
+    """An all-to-all that leaves this rank's own chunk out, in a graph every rank shares: the
+    rank's place in the group, which decides the splits, is looked up when it runs. Returns
+    the chunks received from the peers, in group order (an async functional collective: the
+    graph waits on it with wait_tensor). `buffer` holds one dim-0 chunk per peer (the gather's
+    copies of the shard), or, `holds_own_chunk`, one per rank with the own chunk first or last
+    (a reduction's buffer at group size 2), which is left out as a view."""
+    send, splits = peer_exchange(buffer, group_size, holds_own_chunk,
+                                 compat.process_group_rank(group_name))
+    return torch.ops._c10d_functional.all_to_all_single(send, splits, splits, group_name)
+
+
+def peer_exchange(buffer: torch.Tensor, group_size: int, holds_own_chunk: bool,
+                  rank: int) -> tuple[torch.Tensor, list[int]]:
+    """What `exchange_with_peers` sends on `rank`, and its splits (0 for the rank itself)."""
+    send, chunk = buffer, buffer.shape[0] // (group_size - 1)
+    if holds_own_chunk:
+        chunk = buffer.shape[0] // group_size
+        if rank not in (0, group_size - 1):
+            raise RuntimeError(f"exchange_with_peers: rank {rank}'s own chunk is neither the "
+                               f"first nor the last of its buffer (group size {group_size})")
+        send = buffer[chunk:] if rank == 0 else buffer[:buffer.shape[0] - chunk]
+    return send, [0 if r == rank else chunk for r in range(group_size)]
+
+
+def own_chunk_index(like: torch.Tensor, group_name: str) -> torch.Tensor:
+    """This rank's place in the group, as a one-element index tensor on `like`'s device: the
+    graph reads the rank's own chunk through it (aten.index), so the graph stays every rank's
+    and Inductor still fuses the read into the local sum."""
+    return torch.full((1,), compat.process_group_rank(group_name), dtype=torch.int64,
+                      device=like.device)
+
+
+_TRANSPORT_OPS.impl("exchange_with_peers", exchange_with_peers, "CompositeExplicitAutograd")
+_TRANSPORT_OPS.impl("own_chunk_index", own_chunk_index, "CompositeExplicitAutograd")
+
+
+@torch.library.register_fake("graphshard::exchange_with_peers")
+def _exchange_with_peers_fake(buffer, group_size, group_name, holds_own_chunk):
+    rows = buffer.shape[0] // group_size * (group_size - 1) if holds_own_chunk else buffer.shape[0]
+    return buffer.new_empty((rows, *buffer.shape[1:]))
+
+
+@torch.library.register_fake("graphshard::own_chunk_index")
+def _own_chunk_index_fake(like, group_name):
+    return like.new_empty((1,), dtype=torch.int64)
 
 
 def call_unshard(shard: torch.Tensor, spec: UnshardSpec) -> torch.Tensor:

@@ -140,7 +140,8 @@ def _probes(compiler, joint, joint_inputs, kwargs, knobs: Sequence[Knobs], clust
     state, gradients = model_state_bytes(joint), gradient_bytes(joint)
     # The collectives as the cluster's process groups run them (the capture's are fake).
     transport = GraphshardOptions().via_all_to_all(on_gloo=cluster.collective_backend == "gloo")
-    compiler.split_context = compiler.split_context._replace(via_all_to_all=transport, group_ranks={})
+    compiler.split_context = compiler.split_context._replace(via_all_to_all=transport,
+                                                             own_chunk_local=False)
     links = _group_links(joint, cluster, devices, tp)
 
     def probe(forward, backward) -> Probe:
