@@ -13,10 +13,10 @@ restart on unchanged code). Methods:
 - torch_compile: plain `torch.compile(model)` of the unsharded model, every rank alone (the
   bar graphshard is held to);
 - graphshard: `graphshard.shard(model)` + `torch.compile(model, backend="graphshard")`, default
-  options (on gloo, the all-to-all transports: each rank compiles its own graphs);
-- graphshard_native: the same with all_gather="native", reduce_scatter="native" (the NCCL
-  path's collectives): rank-invariant graphs, so one rank per host compiles and the others load
+  options (on gloo, the all-to-all transports); one rank per host compiles and the others load
   its result from the compile caches;
+- graphshard_native: the same with all_gather="native", reduce_scatter="native" (the NCCL
+  path's collectives);
 - graphshard_native_auto: the same with reshard_after_forward="auto" (its choice agreed by a
   collective during the compile, which the loading ranks join; a warm restart compiles again,
   its kernels from the FX graph cache).
