@@ -38,6 +38,7 @@ PHASES = ("forward", "backward", "optimizer")  # of a step, marked by `phase`
 # Where a compiled graph blocks on a collective (eager methods wait inside c10d: not seen).
 _WAIT_EVENT = "_c10d_functional::wait_tensor"
 _FUNCTIONAL_PREFIX = "_c10d_functional::"  # a compiled graph's collective calls (and waits)
+_EXCHANGE_OP_EVENT = "graphshard::exchange_with_peers"  # an all-to-all with its rank lookup
 # A compiled forward's and backward's run (AOTAutograd's function; any final compiler)
 _GRAPH_EVENTS = frozenset({"CompiledFunction", "CompiledFunctionBackward"})
 _COPY_OUT_EVENT = "graphshard::split_copy"  # a gathered bucket copied out into its parameters
@@ -172,7 +173,8 @@ def _main_thread_split(inside: list, thread: int, steps: int, breakdown: dict) -
         return _union_ns(spans) / 1e6 / steps
 
     graphs = union_ms(lambda name: name in _GRAPH_EVENTS)
-    issue = union_ms(lambda name: name.startswith(_FUNCTIONAL_PREFIX) and name != _WAIT_EVENT)
+    issue = union_ms(lambda name: (name.startswith(_FUNCTIONAL_PREFIX) and name != _WAIT_EVENT)
+                     or name == _EXCHANGE_OP_EVENT)
     copy_out = union_ms(lambda name: name == _COPY_OUT_EVENT)
     return {"kernels": max(graphs - breakdown["wait"] - issue - copy_out, 0.0), "issue": issue,
             "copy_out": copy_out,

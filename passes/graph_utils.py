@@ -157,7 +157,7 @@ def unsharded_bytes(collective: fx.Node) -> int:
 
 
 def exchange_share(exchange: fx.Node) -> Fraction:
-    """The full buffer over what an exchange holds: N / (N - 1) where the rank's own chunk
+    """The full buffer over an exchange's output: N / (N - 1) where the rank's own chunk
     stays local, else 1."""
     if not is_exchange_with_peers(exchange):
         return Fraction(1)

@@ -67,7 +67,8 @@ def reduce_scatter_via_all_to_all(gm: fx.GraphModule, ctx: PassContext | None = 
             summed = emit(aten.sum.dim_IntList, rows, [0])
             if own_local:
                 index = emit(OWN_CHUNK_INDEX, flat, group_name)
-                # index, not index_select: Inductor lowers it (index_select it decomposes)
+                # aten.index, which Inductor lowers into the sum's kernel: index_select has a
+                # decomposition, and Inductor refuses an op it would decompose after AOT
                 own = emit(aten.index.Tensor, emit(aten.view.default, flat, [group_size, chunk]),
                            [index])
                 summed = emit(aten.add.Tensor, summed, emit(aten.view.default, own, [chunk]))

@@ -147,6 +147,7 @@ def test_all_to_all_keeps_each_ranks_own_chunk_local_in_one_graph_for_every_rank
     from graphshard.passes.graph_utils import (ALL_TO_ALL, exchange_share, is_exchange_with_peers,
                                               unsharded_bytes)
     from graphshard.passes.reduce_scatter_via_all_to_all import reduce_scatter_via_all_to_all
+    from graphshard.compiler.cost_model import ClusterSpec, collective_node_cost
 
     params = [("layers.0.a", (11, 3), torch.float32), ("layers.0.b", (6,), torch.float32),
               ("layers.0.c", (9, 2), torch.float32)]
@@ -176,6 +177,8 @@ def test_all_to_all_keeps_each_ranks_own_chunk_local_in_one_graph_for_every_rank
             assert scatter.target is ALL_TO_ALL and exchange_share(scatter) == 1
         # what the memory model and the cost model see as the collective: the full bucket
         assert {collective_kind(c): unsharded_bytes(c) for c in (gather, scatter)} == full_bucket
+        assert {collective_kind(c): collective_node_cost(c, ClusterSpec.default()).nbytes
+                for c in (gather, scatter)} == full_bucket
         (copy_out,) = call_nodes(gm, torch.ops.graphshard.split_copy.default)
         assert len(copy_out.args[0]) == 2 and copy_out.args[2] == "0"  # received rows, own row
         graphs.append(gm)

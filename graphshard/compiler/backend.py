@@ -70,7 +70,8 @@ class GraphshardCompiler:
         """The same compiler (cluster, the graph being compiled) with other options and no
         observer: what it lowers is a probe (the planner's, "auto"'s), not the compiled step."""
         other = GraphshardCompiler(options, None, self.cluster)
-        # A probe prices every chunk through the transport, as the planner's captures do.
+        # A probe prices every chunk through the transport (N gather copies, not N - 1): the
+        # form the planner's fit and fidelity were measured with.
         other.split_context = self.split_context._replace(own_chunk_local=False)
         return other
 

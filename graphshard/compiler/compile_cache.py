@@ -33,7 +33,8 @@ def salt_cache_key(gm: fx.GraphModule, options: GraphshardOptions, cluster: Clus
                    split: SplitContext) -> bool:
     """Make what the compiled graphs depend on beyond the Dynamo graph part of AOTAutograd's
     cache key for `gm`: our options, the cluster the cost model schedules for, graphshard's
-    code, the transport's form, and for "auto" the job (an entry made in another job was
+    code, the transport's form (sorted: a set's order is the process's hash seed's, and every
+    rank of a host must salt alike), and for "auto" the job (an entry made in another job was
     decided without this job's collective, which every rank must join). False, and
     nothing changed, where Dynamo itself keyed the graph (precompile packaging): that key is
     not ours to replace."""
@@ -41,8 +42,8 @@ def salt_cache_key(gm: fx.GraphModule, options: GraphshardOptions, cluster: Clus
         return False
     job = job_nonce() if options.reshard_after_forward == "auto" else None
     compat.salt_aot_autograd_cache_key(gm, "graphshard-" + hashlib.sha256(
-        repr((options, cluster, _source_digest(), split.via_all_to_all, split.own_chunk_local,
-              job)).encode()).hexdigest()[:32])
+        repr((options, cluster, _source_digest(), sorted(split.via_all_to_all),
+              split.own_chunk_local, job)).encode()).hexdigest()[:32])
     return True
 
 

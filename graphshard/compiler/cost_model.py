@@ -447,9 +447,11 @@ def collective_node_cost(node: fx.Node, spec: ClusterSpec, world_size: GroupSize
         raise ValueError(f"{node.name} ({node.target}) is not a functional collective; "
                          f"known: {sorted(str(t) for t in COLLECTIVES)}")
     kind = collective_kind(node)
-    # all-gather's output is the full buffer; reduce-scatter's and all-reduce's input is.
-    full = node if kind == "all_gather" else node.args[0]
-    share = exchange_share(node)  # an exchange that keeps this rank's chunk sends less
+    # all-gather's output is the full buffer; reduce-scatter's and all-reduce's input is; an
+    # all-to-all's output is, less the own chunk where it stays local (exchange_share)
+    exchanged = node.target not in COLLECTIVES
+    full = node if kind == "all_gather" or exchanged else node.args[0]
+    share = exchange_share(node)
     nbytes = value_bytes(_node_val(full), symbolic)
     nbytes = nbytes * sympy.Rational(share.numerator, share.denominator) if symbolic else int(nbytes * share)
     group = _group_size(node, world_size)

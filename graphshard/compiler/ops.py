@@ -104,8 +104,14 @@ def exchange_with_peers(buffer: torch.Tensor, group_size: int, group_name: str,
     rank's place in the group, which decides the splits, is looked up when it runs. Returns
     the chunks received from the peers, in group order (an async functional collective: the
     graph waits on it with wait_tensor). `buffer` holds one dim-0 chunk per peer (the gather's
-    copies of the shard), or, `holds_own_chunk`, one per rank with the own chunk first or last
-    (a reduction's buffer at group size 2), which is left out as a view."""
+    copies of the shard), or, `holds_own_chunk`, one per rank at group size 2 (a reduction's
+    buffer), the own chunk left out as a view.
+
+    Inductor keeps a collective's input alive until its wait only for its own collective
+    kernels; to it this op is a plain fallback. `buffer` stays alive anyway: both transports
+    read the own chunk or row from it after the wait, Inductor's buffer reuse is off
+    (_torch_compat.inductor_compile_graph), and free_collective_buffers frees it after its
+    last reader, as a collective's."""
     send, splits = peer_exchange(buffer, group_size, holds_own_chunk,
                                  compat.process_group_rank(group_name))
     return torch.ops._c10d_functional.all_to_all_single(send, splits, splits, group_name)
@@ -113,7 +119,7 @@ def exchange_with_peers(buffer: torch.Tensor, group_size: int, group_name: str,
 
 def peer_exchange(buffer: torch.Tensor, group_size: int, holds_own_chunk: bool,
                   rank: int) -> tuple[torch.Tensor, list[int]]:
-    """What `exchange_with_peers` sends on `rank`, and its splits (0 for the rank itself)."""
+    """(what `exchange_with_peers` sends on `rank`, its splits: 0 for the rank itself)."""
     send, chunk = buffer, buffer.shape[0] // (group_size - 1)
     if holds_own_chunk:
         chunk = buffer.shape[0] // group_size
@@ -138,6 +144,9 @@ _TRANSPORT_OPS.impl("own_chunk_index", own_chunk_index, "CompositeExplicitAutogr
 
 @torch.library.register_fake("graphshard::exchange_with_peers")
 def _exchange_with_peers_fake(buffer, group_size, group_name, holds_own_chunk):
+    if holds_own_chunk and group_size != 2:  # refused on every rank while the graph is built
+        raise ValueError(f"exchange_with_peers: a buffer that holds the own chunk needs a group "
+                         f"of 2 (a middle rank's chunk is neither first nor last), got {group_size}")
     rows = buffer.shape[0] // group_size * (group_size - 1) if holds_own_chunk else buffer.shape[0]
     return buffer.new_empty((rows, *buffer.shape[1:]))
 

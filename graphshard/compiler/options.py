@@ -24,7 +24,7 @@ class GraphshardOptions:
     # prefetch and delay reductions only where that does not raise the graph's peak memory
     overlap_within_peak: bool = False
     reduce_scatter: str = "auto"  # "native", "all_to_all" (+ local sum), "auto": a2a on gloo
-    all_gather: str = "auto"  # "native", "all_to_all" (of N shard copies), "auto": a2a on gloo
+    all_gather: str = "auto"  # "native", "all_to_all" (of N - 1 shard copies), "auto": a2a on gloo
     compiler: str = "inductor"  # final compiler: "inductor", or "eager" (run the FX graph)
     cluster: str | None = None  # cost-model JSON from `graphshard calibrate`; None: built-in
     # Keep a unit's gathered weights from forward to backward? None: the strategy decides

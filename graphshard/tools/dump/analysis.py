@@ -85,8 +85,9 @@ def collective_records(kind: str, gm, estimate, infos: dict[str, ParamInfo],
     """One record per collective of `gm` (`kind`: forward/backward), in graph order;
     `estimate` is the cost model's GraphEstimate of `gm`."""
     from graphshard.compiler.cost_model import wire_bytes
-    from graphshard.passes.graph_utils import (collective_group, collective_kind, is_collective,
-                                               is_wait, tensor_val)
+    from graphshard.passes.graph_utils import (COLLECTIVES, collective_group, collective_kind,
+                                               is_collective, is_wait, tensor_val,
+                                               unsharded_bytes)
 
     nodes = list(gm.graph.nodes)
     index = {node: i for i, node in enumerate(nodes)}
@@ -106,8 +107,9 @@ def collective_records(kind: str, gm, estimate, infos: dict[str, ParamInfo],
         if not is_collective(node):
             continue
         op = collective_kind(node)
-        buffer = tensor_val(node if op == "all_gather" else node.args[0])
-        buffer_bytes = int(buffer.numel()) * buffer.element_size() if buffer is not None else 0
+        exchanged = node.target not in COLLECTIVES  # an all-to-all: its output, as all-gather's
+        buffer = tensor_val(node if op == "all_gather" or exchanged else node.args[0])
+        buffer_bytes = unsharded_bytes(node)  # with the own chunk an exchange keeps local
         dtype = node.meta.get(meta_keys.PAYLOAD_DTYPE, buffer.dtype if buffer is not None else None)
         names = list(node.meta.get(meta_keys.PARAMS, ()))
         group_name, _ = collective_group(node)
