@@ -147,13 +147,18 @@ def node_bytes(node: fx.Node) -> int:
     return 0 if val is None else tensor_bytes(val)
 
 
+def full_buffer(collective: fx.Node) -> fx.Node:
+    """The node whose value is the full (unsharded) buffer a collective moves: all-gather's
+    and an exchange's output (less the own chunk an exchange keeps local: exchange_share),
+    reduce-scatter's and all-reduce's input."""
+    if collective.target is ALL_GATHER or _transported(collective):
+        return collective
+    return collective.args[0]
+
+
 def unsharded_bytes(collective: fx.Node) -> int:
-    """Size of the full (unsharded) buffer a collective moves: AG output, RS/AR input."""
-    if collective.target is ALL_GATHER:
-        return node_bytes(collective)
-    if _transported(collective):  # an exchange's output is as large as its input
-        return int(node_bytes(collective) * exchange_share(collective))
-    return node_bytes(collective.args[0])
+    """Size of the full (unsharded) buffer a collective moves."""
+    return int(node_bytes(full_buffer(collective)) * exchange_share(collective))
 
 
 def exchange_share(exchange: fx.Node) -> Fraction:

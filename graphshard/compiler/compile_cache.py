@@ -43,7 +43,7 @@ def salt_cache_key(gm: fx.GraphModule, options: GraphshardOptions, cluster: Clus
     job = job_nonce() if options.reshard_after_forward == "auto" else None
     compat.salt_aot_autograd_cache_key(gm, "graphshard-" + hashlib.sha256(
         repr((options, cluster, _source_digest(), sorted(split.via_all_to_all),
-              split.own_chunk_local, job)).encode()).hexdigest()[:32])
+              job)).encode()).hexdigest()[:32])
     return True
 
 

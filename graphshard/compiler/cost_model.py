@@ -25,7 +25,8 @@ from torch.utils.flop_counter import flop_registry, sdpa_backward_flop_count, sd
 from graphshard._torch_compat import is_op_overload, process_group_size
 from graphshard.passes import meta_keys
 from graphshard.passes.graph_utils import (COLLECTIVES, FREE_STORAGE, collective_group, collective_kind,
-                                          exchange_share, is_collective, is_view, is_wait)
+                                          exchange_share, full_buffer, is_collective, is_view,
+                                          is_wait)
 
 aten = torch.ops.aten
 Sym = Union[int, float, sympy.Expr]  # a number, or a formula in e.g. sympy.Symbol("N")
@@ -447,12 +448,8 @@ def collective_node_cost(node: fx.Node, spec: ClusterSpec, world_size: GroupSize
         raise ValueError(f"{node.name} ({node.target}) is not a functional collective; "
                          f"known: {sorted(str(t) for t in COLLECTIVES)}")
     kind = collective_kind(node)
-    # all-gather's output is the full buffer; reduce-scatter's and all-reduce's input is; an
-    # all-to-all's output is, less the own chunk where it stays local (exchange_share)
-    exchanged = node.target not in COLLECTIVES
-    full = node if kind == "all_gather" or exchanged else node.args[0]
     share = exchange_share(node)
-    nbytes = value_bytes(_node_val(full), symbolic)
+    nbytes = value_bytes(_node_val(full_buffer(node)), symbolic)
     nbytes = nbytes * sympy.Rational(share.numerator, share.denominator) if symbolic else int(nbytes * share)
     group = _group_size(node, world_size)
     group = _as_sym(group) if symbolic else _scalar(group, False)

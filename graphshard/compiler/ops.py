@@ -121,12 +121,9 @@ def peer_exchange(buffer: torch.Tensor, group_size: int, holds_own_chunk: bool,
                   rank: int) -> tuple[torch.Tensor, list[int]]:
     """(what `exchange_with_peers` sends on `rank`, its splits: 0 for the rank itself)."""
     send, chunk = buffer, buffer.shape[0] // (group_size - 1)
-    if holds_own_chunk:
-        chunk = buffer.shape[0] // group_size
-        if rank not in (0, group_size - 1):
-            raise RuntimeError(f"exchange_with_peers: rank {rank}'s own chunk is neither the "
-                               f"first nor the last of its buffer (group size {group_size})")
-        send = buffer[chunk:] if rank == 0 else buffer[:buffer.shape[0] - chunk]
+    if holds_own_chunk:  # group size 2 (the fake refuses others): send the other rank's chunk
+        chunk = buffer.shape[0] // 2
+        send = buffer[chunk:] if rank == 0 else buffer[:chunk]
     return send, [0 if r == rank else chunk for r in range(group_size)]
 
 

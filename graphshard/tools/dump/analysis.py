@@ -85,7 +85,7 @@ def collective_records(kind: str, gm, estimate, infos: dict[str, ParamInfo],
     """One record per collective of `gm` (`kind`: forward/backward), in graph order;
     `estimate` is the cost model's GraphEstimate of `gm`."""
     from graphshard.compiler.cost_model import wire_bytes
-    from graphshard.passes.graph_utils import (COLLECTIVES, collective_group, collective_kind,
+    from graphshard.passes.graph_utils import (collective_group, collective_kind, full_buffer,
                                                is_collective, is_wait, tensor_val,
                                                unsharded_bytes)
 
@@ -107,9 +107,8 @@ def collective_records(kind: str, gm, estimate, infos: dict[str, ParamInfo],
         if not is_collective(node):
             continue
         op = collective_kind(node)
-        exchanged = node.target not in COLLECTIVES  # an all-to-all: its output, as all-gather's
-        buffer = tensor_val(node if op == "all_gather" or exchanged else node.args[0])
-        buffer_bytes = unsharded_bytes(node)  # with the own chunk an exchange keeps local
+        buffer = tensor_val(full_buffer(node))
+        buffer_bytes = unsharded_bytes(node)
         dtype = node.meta.get(meta_keys.PAYLOAD_DTYPE, buffer.dtype if buffer is not None else None)
         names = list(node.meta.get(meta_keys.PARAMS, ()))
         group_name, _ = collective_group(node)
