@@ -26,3 +26,11 @@ def fake_pg(request):
         yield world_size
     finally:
         dist.destroy_process_group()
+
+
+def pytest_collection_modifyitems(config, items):
+    """Modules with slow tests first: under `-n 2` (pytest-xdist, one module per worker at a
+    time) the long multi-process modules start early and the short ones fill in around them,
+    instead of one long module running alone at the end."""
+    slow_modules = {item.module.__name__ for item in items if item.get_closest_marker("slow")}
+    items.sort(key=lambda item: item.module.__name__ not in slow_modules)

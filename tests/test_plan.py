@@ -26,10 +26,11 @@ TINY = "tests/dump_targets/tiny.py"
 
 @pytest.fixture(scope="module")
 def planned(tmp_path_factory):
-    """One search on 16 H100s (two nodes): full_shard, hybrid over one node; AC none and full."""
+    """One exhaustive search on 16 H100s (two nodes): full_shard, hybrid over one node; AC none
+    and full (the default search would leave out "full", which "none" outruns here)."""
     tmp = tmp_path_factory.mktemp("plan")
     argv = [*SMALL, "--devices", "16", "--cluster", "h100", "--global-batch", "16",
-            "--ac", "none,full", "--dtypes", "bf16", "--quiet",
+            "--ac", "none,full", "--dtypes", "bf16", "--exhaustive", "--quiet",
             "--json", str(tmp / "all.json"), "--out", str(tmp / "best.json"),
             "--trace", str(tmp / "trace.json")]
     printed = io.StringIO()
@@ -199,9 +200,9 @@ def test_collectives_pay_the_link_their_group_spans():
 
 @pytest.mark.slow  # two searches
 def test_hybrid_groups_are_tried_around_the_best_full_shard_layouts(monkeypatch):
-    """Every full_shard layout is captured; hybrid shard groups only for the best of them
-    (TP degree, AC, dtype, micro-batch; the best one here, three by default): the same best
-    as the exhaustive search on this cluster."""
+    """Every full_shard layout is captured but those a captured one outruns; hybrid shard
+    groups only for the best of them (TP degree, AC, dtype, micro-batch; the best one here,
+    three by default): the same best as the exhaustive search on this cluster."""
     from graphshard.tools.plan import search
 
     monkeypatch.setattr(search, "HYBRID_TRIED_FOR", 1)
@@ -212,7 +213,8 @@ def test_hybrid_groups_are_tried_around_the_best_full_shard_layouts(monkeypatch)
     tried = {c.layout for c in staged}
     full = {layout for layout in (c.layout for c in every) if layout.strategy == "full_shard"}
     hybrid = {c.layout for c in every} - full
-    assert full <= tried and len(full) == 3 and len(hybrid) == 3  # TP 1; TP 2 at micro 2, 1
+    assert len(full) == 3 and len(hybrid) == 3  # TP 1; TP 2 at micro 2, 1
+    assert all(layout in tried or search._outrunners(layout, tried) for layout in full)
     best = search.best_layouts([c for c in staged if c.layout.strategy == "full_shard"], 1)
     assert {(layout.tp, layout.ac, layout.param_dtype, layout.micro_batch)
             for layout in tried - full} == best and len(tried - full) == 1
@@ -238,6 +240,42 @@ def test_layouts_whose_matmuls_alone_outlast_the_best_step_are_not_captured():
     assert (staged[0].layout, staged[0].step_s) == (every[0].layout, every[0].step_s)
     assert {c.layout.param_dtype for c in planner.plan("llama", 8, h100, 8, 32, **args)} == {
         "bfloat16", "float32"}
+
+
+@pytest.mark.slow  # three searches
+def test_smaller_micro_batches_and_heavier_checkpointing_are_captured_only_while_they_could_win():
+    """A layout's larger micro-batch or lighter checkpointing is never slower (checked here on
+    every layout of the exhaustive search); the search captures the fastest of each family
+    first and the others only while they could beat the best step found: the exhaustive
+    search's best with fewer captures, and, once the device memory leaves out the largest
+    micro-batch without checkpointing, the next fastest that fits is captured and ranks first."""
+    from graphshard.tools.plan import search
+
+    args = dict(model_args={"dim": 128}, ac_modes=("none", "full"), dtypes=("bfloat16",),
+                knobs=(planner.Knobs("last", 1, 64.0),), tp_sizes=(1,))
+    h100 = PRESETS["h100"]
+    every = planner.plan("llama", 8, h100, 32, 32, exhaustive=True, **args)
+    fastest = {c.layout: c.step_s for c in every}  # one option set: one row per layout
+    assert len(fastest) == 6  # micro-batches 4, 2, 1 x AC none, full
+    for layout, step in fastest.items():
+        for other in search._outrunners(layout, set(fastest)):
+            assert step >= fastest[other] * (1 - 1e-9), (layout, other)
+    staged = planner.plan("llama", 8, h100, 32, 32, **args)
+    assert (staged[0].layout, staged[0].step_s) == (every[0].layout, every[0].step_s)
+    tried = {c.layout for c in staged}
+    assert len(tried) < len(fastest)
+
+    # Memory for every layout but the largest micro-batch without checkpointing: the layouts
+    # it outran are captured now, and the fastest that fits ranks first.
+    peak = {c.layout: c.peak_memory_bytes for c in every}
+    tight = dataclasses.replace(h100, device_memory_bytes=max(peak.values()) * (1 - 1e-6))
+    [left_out] = [layout for layout in peak if peak[layout] > tight.device_memory_bytes]
+    assert left_out == every[0].layout
+    fitting = min((c for c in every if c.layout != left_out), key=lambda c: c.step_s)
+    assert fitting.layout not in tried
+    staged = planner.plan("llama", 8, tight, 32, 32, **args)
+    assert staged[0].fits and staged[0].layout == fitting.layout
+    assert staged[0].step_s == pytest.approx(fitting.step_s)
 
 
 def test_ranks_beyond_a_nodes_compute_slots_share_it():

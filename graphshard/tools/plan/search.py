@@ -59,7 +59,8 @@ def plan(target: str, devices: int, cluster, global_batch: int, seq: int, *,
          exhaustive: bool = False) -> list[Config]:
     """The configurations, best first (fitting ones by step time, then the rest by peak).
 
-    Every layout with full_shard, then hybrid shard groups only for the best
+    The full_shard layouts, each left out where it cannot beat the best step found
+    (`_not_beaten`, `_not_outrun`), then hybrid shard groups only for the best
     `HYBRID_TRIED_FOR` of those (their TP degree, checkpointing, dtype and micro-batch):
     hybrid groups trade memory for inter-node traffic around a layout that already fits and
     runs fast, and they are most of the layouts on a cluster of many nodes. `exhaustive`:
@@ -90,17 +91,33 @@ def plan(target: str, devices: int, cluster, global_batch: int, seq: int, *,
     configs: list[Config] = []
     skipped: list[str] = []  # why a layout could not be captured (its TP degree)
     step_flops: dict[tuple, float] = {}  # (tp, ac): one device's matmul FLOPs in a step
-    started = time.perf_counter()
+    started, captures = time.perf_counter(), [0]
 
     def evaluate(stage: list[Layout]) -> None:
-        if not exhaustive:
-            stage = _not_beaten(stage, configs, step_flops, cluster, progress)
+        if exhaustive:
+            capture(stage)
+            return
+        beaten = outrun = 0  # layouts left out by each bound
+        for wave in waves(stage):  # the fastest of each family first, then what could still win
+            fast_enough = _not_beaten(wave, configs, step_flops, cluster)
+            kept = _not_outrun(fast_enough, configs)
+            beaten, outrun = beaten + len(wave) - len(fast_enough), outrun + len(fast_enough) - len(kept)
+            capture(kept)
+        why = [f"{beaten} by their matmuls alone at their dtype's peak"] * bool(beaten) + [
+            f"{outrun} by a larger micro-batch or lighter checkpointing of theirs"] * bool(outrun)
+        if why:
+            progress(f"{beaten + outrun} layouts left out, none able to beat the best step found "
+                     f"({_best_step(configs) * 1e3:,.1f} ms): {', '.join(why)} (--exhaustive "
+                     "captures them)")
+
+    def capture(stage: list[Layout]) -> None:
         jobs = [(target, layout, devices, seq, n, tuple(knobs), cluster, model_args)
                 for layout in stage for n in probe_sizes]
         results = iter(pool.map(capture_job, jobs))
-        for index, layout in enumerate(stage):
+        for layout in stage:
             captured = [next(results) for _ in probe_sizes]
-            done = f"[{time.perf_counter() - started:5.1f} s] layout {index + 1}/{len(stage)}"
+            captures[0] += 1
+            done = f"[{time.perf_counter() - started:5.1f} s] layout {captures[0]}"
             unsplittable = next((c for c in captured if isinstance(c, str)), None)
             if unsplittable is not None:
                 progress(f"{done} skipped: {unsplittable}")
@@ -123,8 +140,8 @@ def plan(target: str, devices: int, cluster, global_batch: int, seq: int, *,
                     if auto is not None:
                         configs.append(auto)
 
-    progress(f"{len(first)} layouts x {len(probe_sizes)} captures, {len(knobs)} option sets "
-             f"each, on {workers} process(es)")
+    progress(f"up to {len(first)} layouts x {len(probe_sizes)} captures, {len(knobs)} option "
+             f"sets each, on {workers} process(es)")
     with capture_pool(workers) as pool:
         # the dtypes with the fastest matmuls first: a slower dtype's layouts are captured
         # only where their matmuls alone could still beat the best step found
@@ -143,29 +160,71 @@ def plan(target: str, devices: int, cluster, global_batch: int, seq: int, *,
     return configs
 
 
-def _not_beaten(stage: list[Layout], configs: list[Config], step_flops: dict, cluster,
-                progress: Callable[[str], None]) -> list[Layout]:
+AC_RECOMPUTES = {"none": 0, "selective": 1, "full": 2}  # how much backward computes again
+
+
+def waves(stage: list[Layout]) -> list[list[Layout]]:
+    """`stage` in the order that lets `_not_outrun` leave layouts out: each layout after every
+    layout that is at least as fast (see `_outrunners`), so the fastest of each family are
+    captured first, and the rest only while they could still win."""
+    larger = {layout: sum(other.micro_batch > layout.micro_batch
+                          for other in {o for o in stage if _family(o) == _family(layout)})
+              for layout in stage}
+    rank = {layout: larger[layout] + AC_RECOMPUTES[layout.ac] for layout in stage}
+    return [[layout for layout in stage if rank[layout] == r] for r in sorted(set(rank.values()))]
+
+
+def _family(layout: Layout) -> tuple:
+    return (layout.strategy, layout.shard_size, layout.param_dtype, layout.tp)
+
+
+def _outrunners(layout: Layout, captured: set[Layout]) -> list[Layout]:
+    """The captured layouts whose every step is at most `layout`'s, option set by option set:
+    the same family (strategy, shard groups, dtype, TP degree) with micro-batches at least as
+    large and checkpointing no heavier. A smaller micro-batch repeats every per-micro-batch
+    cost (the parameters' collectives, each kernel's overhead, the wait for the slowest rank)
+    for the same rows, and checkpointing only adds the recomputation; "auto" lies between its
+    layout's "last" and "all" rows."""
+    return [other for other in captured if other != layout and _family(other) == _family(layout)
+            and other.micro_batch >= layout.micro_batch
+            and AC_RECOMPUTES[other.ac] <= AC_RECOMPUTES[layout.ac]]
+
+
+def _best_step(configs: list[Config]) -> float:
+    return min((config.step_s for config in configs if config.fits), default=float("inf"))
+
+
+def _not_outrun(stage: list[Layout], configs: list[Config]) -> list[Layout]:
+    """The layouts of `stage` that could still beat the best fitting configuration found: one
+    whose outrunner (a larger micro-batch or lighter checkpointing of it, captured) is nowhere
+    faster than that best is left out, since it is no faster than its outrunner."""
+    fastest: dict[Layout, float] = {}
+    for config in configs:
+        fastest[config.layout] = min(config.step_s, fastest.get(config.layout, float("inf")))
+
+    def bound(layout: Layout) -> float:
+        return max((fastest[other] for other in _outrunners(layout, set(fastest))), default=0.0)
+
+    best = _best_step(configs)
+    return [layout for layout in stage if bound(layout) < best]
+
+
+def _not_beaten(stage: list[Layout], configs: list[Config], step_flops: dict,
+                cluster) -> list[Layout]:
     """The layouts of `stage` that could still beat the best fitting configuration found: a
     step takes at least its matmuls' FLOPs at the dtype's peak (the cost model's compute time
     of a node is never below its FLOPs at the peak, and compute runs one node at a time), and
     those FLOPs, one device's in a step, are the same for every layout of one TP degree and
     checkpointing mode (micro-batches split the same rows; shard groups and dtypes do not
-    change the matmuls)."""
-    fitting = [config.step_s for config in configs if config.fits]
-    if not fitting:
-        return stage
-    best = min(fitting)
-
+    change the matmuls), and no fewer than with lighter checkpointing (which recomputes
+    less)."""
     def bound(layout: Layout) -> float:
-        return step_flops.get((layout.tp, layout.ac), 0.0) / matmul_peak(layout, cluster)
+        flops = max((step_flops.get((layout.tp, ac), 0.0) for ac, recomputes in AC_RECOMPUTES.items()
+                     if recomputes <= AC_RECOMPUTES[layout.ac]), default=0.0)
+        return flops / matmul_peak(layout, cluster)
 
-    kept = [layout for layout in stage if bound(layout) < best]
-    if len(kept) < len(stage):
-        slowest = min(bound(layout) for layout in stage if layout not in kept)
-        progress(f"{len(stage) - len(kept)} layouts left out: their matmuls alone take at least "
-                 f"{slowest * 1e3:,.0f} ms a step at their dtype's peak, the best step found "
-                 f"{best * 1e3:,.1f} ms (--exhaustive captures them)")
-    return kept
+    best = _best_step(configs)
+    return [layout for layout in stage if bound(layout) < best]
 
 
 HYBRID_TRIED_FOR = 3  # full_shard layouts whose hybrid shard groups the search tries
