@@ -214,7 +214,8 @@ def test_hybrid_groups_are_tried_around_the_best_full_shard_layouts(monkeypatch)
     full = {layout for layout in (c.layout for c in every) if layout.strategy == "full_shard"}
     hybrid = {c.layout for c in every} - full
     assert len(full) == 3 and len(hybrid) == 3  # TP 1; TP 2 at micro 2, 1
-    assert all(layout in tried or search._outrunners(layout, tried) for layout in full)
+    fastest = {layout: min(c.step_s for c in every if c.layout == layout) for layout in full}
+    assert all(fastest[layout] >= staged[0].step_s for layout in full - tried)
     best = search.best_layouts([c for c in staged if c.layout.strategy == "full_shard"], 1)
     assert {(layout.tp, layout.ac, layout.param_dtype, layout.micro_batch)
             for layout in tried - full} == best and len(tried - full) == 1
@@ -227,14 +228,17 @@ def test_layouts_whose_matmuls_alone_outlast_the_best_step_are_not_captured():
     where their matmul FLOPs at its peak could still beat the best step found. On a cluster
     whose fp32 matmuls are 1000x slower, the fp32 layouts are left out, with the exhaustive
     search's best, and each is slower there than that best; at the real fp32 peak this small
-    model's steps are overhead and traffic, so its fp32 layouts are captured."""
+    model's steps are overhead and traffic, so its fp32 layouts are captured. Checkpointed
+    fp32 layouts are left out by the FLOPs without checkpointing (recomputation only adds),
+    though no checkpointed layout was captured to count their own."""
     h100 = PRESETS["h100"]
     slow_fp32 = dataclasses.replace(h100, flops_per_s=h100.flops_per_s / 1000)
-    args = dict(model_args={"dim": 128}, ac_modes=("none",), dtypes=("bfloat16", "float32"),
+    args = dict(model_args={"dim": 128}, ac_modes=("none", "full"), dtypes=("bfloat16", "float32"),
                 knobs=(planner.Knobs("last", 1, 64.0),), tp_sizes=(1,))
     staged = planner.plan("llama", 8, slow_fp32, 8, 32, **args)
     every = planner.plan("llama", 8, slow_fp32, 8, 32, exhaustive=True, **args)
     assert {c.layout.param_dtype for c in staged} == {"bfloat16"}
+    assert {c.layout.ac for c in staged} == {"none"}  # "full" outrun: its FLOPs never counted
     left_out = [c for c in every if c.layout.param_dtype == "float32"]
     assert left_out and min(c.step_s for c in left_out) > staged[0].step_s
     assert (staged[0].layout, staged[0].step_s) == (every[0].layout, every[0].step_s)
@@ -265,17 +269,41 @@ def test_smaller_micro_batches_and_heavier_checkpointing_are_captured_only_while
     tried = {c.layout for c in staged}
     assert len(tried) < len(fastest)
 
-    # Memory for every layout but the largest micro-batch without checkpointing: the layouts
-    # it outran are captured now, and the fastest that fits ranks first.
+    # Only the fastest of the family is captured while it fits; once the device memory leaves
+    # it out, the layouts it outran are captured and the fastest of them that fits ranks first.
+    assert tried == {every[0].layout}
     peak = {c.layout: c.peak_memory_bytes for c in every}
-    tight = dataclasses.replace(h100, device_memory_bytes=max(peak.values()) * (1 - 1e-6))
-    [left_out] = [layout for layout in peak if peak[layout] > tight.device_memory_bytes]
-    assert left_out == every[0].layout
-    fitting = min((c for c in every if c.layout != left_out), key=lambda c: c.step_s)
-    assert fitting.layout not in tried
+    tight = dataclasses.replace(h100, device_memory_bytes=peak[every[0].layout] * (1 - 1e-6))
+    fitting = min((c for c in every if c.peak_memory_bytes <= tight.device_memory_bytes),
+                  key=lambda c: c.step_s)
     staged = planner.plan("llama", 8, tight, 32, 32, **args)
-    assert staged[0].fits and staged[0].layout == fitting.layout
+    assert staged[0].fits and staged[0].layout == fitting.layout != every[0].layout
     assert staged[0].step_s == pytest.approx(fitting.step_s)
+
+
+@pytest.mark.slow  # three searches
+def test_hybrid_layouts_that_the_best_outran_are_captured_where_the_faster_does_not_fit():
+    """A hybrid layout holds more memory than its full_shard twin: where the hybrid layout of
+    a best full_shard key does not fit, the hybrid layouts it outran (heavier checkpointing
+    here) are captured too, and the search's best is the exhaustive search's."""
+    args = dict(model_args={"dim": 128}, ac_modes=("none", "full"), dtypes=("bfloat16",),
+                knobs=(planner.Knobs("last", 1, 64.0),), tp_sizes=(1,))
+    h100 = PRESETS["h100"]
+    every = planner.plan("llama", 16, h100, 16, 32, exhaustive=True, **args)
+    peak = {(c.layout.strategy, c.layout.ac): c.peak_memory_bytes for c in every}
+    assert len(peak) == 4  # full_shard, hybrid 2 x 8; AC none, full
+    hybrid_full = next(c.layout for c in every if c.layout.strategy == "hybrid_shard"
+                       and c.layout.ac == "full")
+    roomy = {c.layout for c in planner.plan("llama", 16, h100, 16, 32, **args)}
+    assert hybrid_full not in roomy
+    # room for every layout but the hybrid one without checkpointing
+    limit = peak[("hybrid_shard", "none")] * (1 - 1e-6)
+    assert max(v for k, v in peak.items() if k != ("hybrid_shard", "none")) <= limit
+    tight = dataclasses.replace(h100, device_memory_bytes=limit)
+    staged = planner.plan("llama", 16, tight, 16, 32, **args)
+    assert hybrid_full in {c.layout for c in staged}
+    fitting = min((c for c in every if c.peak_memory_bytes <= limit), key=lambda c: c.step_s)
+    assert (staged[0].layout, staged[0].step_s) == (fitting.layout, pytest.approx(fitting.step_s))
 
 
 def test_ranks_beyond_a_nodes_compute_slots_share_it():

@@ -140,8 +140,8 @@ def plan(target: str, devices: int, cluster, global_batch: int, seq: int, *,
                     if auto is not None:
                         configs.append(auto)
 
-    progress(f"up to {len(first)} layouts x {len(probe_sizes)} captures, {len(knobs)} option "
-             f"sets each, on {workers} process(es)")
+    progress(f"up to {len(first)} {'' if exhaustive else 'full_shard '}layouts x "
+             f"{len(probe_sizes)} captures, {len(knobs)} option sets each, on {workers} process(es)")
     with capture_pool(workers) as pool:
         # the dtypes with the fastest matmuls first: a slower dtype's layouts are captured
         # only where their matmuls alone could still beat the best step found
@@ -149,10 +149,13 @@ def plan(target: str, devices: int, cluster, global_batch: int, seq: int, *,
             evaluate([layout for layout in first if matmul_peak(layout, cluster) == peak])
         if hybrid and not exhaustive:
             best = best_layouts(configs, HYBRID_TRIED_FOR)
-            second = [layout for layout in hybrid if _but_strategy(layout) in best]
-            progress(f"hybrid shard groups for the best {len(best)} full_shard layouts: "
-                     f"{len(second)} layouts ({len(hybrid) - len(second)} left out; "
-                     "--exhaustive tries them all)")
+            # and what those outran: a hybrid layout holds more memory than its full_shard
+            # twin, so where the faster hybrid layout does not fit, the slower one may win
+            second = [layout for layout in hybrid
+                      if any(_outruns(key, _but_strategy(layout)) for key in best)]
+            progress(f"hybrid shard groups for the best {len(best)} full_shard layouts and the "
+                     f"layouts they outran: up to {len(second)} layouts ({len(hybrid) - len(second)} "
+                     "left out; --exhaustive tries them all)")
             evaluate(second)
     if not configs:
         raise PlanError(f"{target}: no layout could be captured: {skipped[0]}")
@@ -178,6 +181,14 @@ def _family(layout: Layout) -> tuple:
     return (layout.strategy, layout.shard_size, layout.param_dtype, layout.tp)
 
 
+def _outruns(faster: tuple, slower: tuple) -> bool:
+    """Whether a layout keyed `faster` is at least as fast as one keyed `slower` (keys of
+    `_but_strategy`, one family): micro-batch at least as large, checkpointing no heavier."""
+    (tp, ac, dtype, micro), (other_tp, other_ac, other_dtype, other_micro) = faster, slower
+    return (tp, dtype) == (other_tp, other_dtype) and micro >= other_micro and (
+        AC_RECOMPUTES[ac] <= AC_RECOMPUTES[other_ac])
+
+
 def _outrunners(layout: Layout, captured: set[Layout]) -> list[Layout]:
     """The captured layouts whose every step is at most `layout`'s, option set by option set:
     the same family (strategy, shard groups, dtype, TP degree) with micro-batches at least as
@@ -186,8 +197,7 @@ def _outrunners(layout: Layout, captured: set[Layout]) -> list[Layout]:
     for the same rows, and checkpointing only adds the recomputation; "auto" lies between its
     layout's "last" and "all" rows."""
     return [other for other in captured if other != layout and _family(other) == _family(layout)
-            and other.micro_batch >= layout.micro_batch
-            and AC_RECOMPUTES[other.ac] <= AC_RECOMPUTES[layout.ac]]
+            and _outruns(_but_strategy(other), _but_strategy(layout))]
 
 
 def _best_step(configs: list[Config]) -> float:
