@@ -61,8 +61,8 @@ def plan(target: str, devices: int, cluster, global_batch: int, seq: int, *,
 
     The full_shard layouts, each left out where it cannot beat the best step found
     (`_not_beaten`, `_not_outrun`), then hybrid shard groups only for the best
-    `HYBRID_TRIED_FOR` of those (their TP degree, checkpointing, dtype and micro-batch):
-    hybrid groups trade memory for inter-node traffic around a layout that already fits and
+    `HYBRID_TRIED_FOR` of those (their TP degree, checkpointing, dtype and micro-batch) and
+    the layouts those outran, left out likewise: hybrid groups trade memory for inter-node traffic around a layout that already fits and
     runs fast, and they are most of the layouts on a cluster of many nodes. `exhaustive`:
     every layout."""
     model_args = dict(model_args or {})
