@@ -62,9 +62,9 @@ def plan(target: str, devices: int, cluster, global_batch: int, seq: int, *,
     The full_shard layouts, each left out where it cannot beat the best step found
     (`_not_beaten`, `_not_outrun`), then hybrid shard groups only for the best
     `HYBRID_TRIED_FOR` of those (their TP degree, checkpointing, dtype and micro-batch) and
-    the layouts those outran, left out likewise: hybrid groups trade memory for inter-node traffic around a layout that already fits and
-    runs fast, and they are most of the layouts on a cluster of many nodes. `exhaustive`:
-    every layout."""
+    the layouts those outran, left out likewise: hybrid groups trade memory for inter-node
+    traffic around a layout that already fits and runs fast, and they are most of the layouts
+    on a cluster of many nodes. `exhaustive`: every layout."""
     model_args = dict(model_args or {})
     check_plan_input(devices, cluster, global_batch)
     if "float8" in dtypes and cluster.float8_flops_per_s is None:
@@ -101,7 +101,8 @@ def plan(target: str, devices: int, cluster, global_batch: int, seq: int, *,
         for wave in waves(stage):  # the fastest of each family first, then what could still win
             fast_enough = _not_beaten(wave, configs, step_flops, cluster)
             kept = _not_outrun(fast_enough, configs)
-            beaten, outrun = beaten + len(wave) - len(fast_enough), outrun + len(fast_enough) - len(kept)
+            beaten += len(wave) - len(fast_enough)
+            outrun += len(fast_enough) - len(kept)
             capture(kept)
         why = [f"{beaten} by their matmuls alone at their dtype's peak"] * bool(beaten) + [
             f"{outrun} by a larger micro-batch or lighter checkpointing of theirs"] * bool(outrun)
@@ -170,10 +171,9 @@ def waves(stage: list[Layout]) -> list[list[Layout]]:
     """`stage` in the order that lets `_not_outrun` leave layouts out: each layout after every
     layout that is at least as fast (see `_outrunners`), so the fastest of each family are
     captured first, and the rest only while they could still win."""
-    larger = {layout: sum(other.micro_batch > layout.micro_batch
-                          for other in {o for o in stage if _family(o) == _family(layout)})
-              for layout in stage}
-    rank = {layout: larger[layout] + AC_RECOMPUTES[layout.ac] for layout in stage}
+    rank = {layout: AC_RECOMPUTES[layout.ac] + sum(
+        other.micro_batch > layout.micro_batch and _family(other) == _family(layout)
+        for other in stage) for layout in stage}
     return [[layout for layout in stage if rank[layout] == r] for r in sorted(set(rank.values()))]
 
 
