@@ -18,6 +18,7 @@ import torch.fx as fx
 
 from graphshard import _torch_compat as compat
 from graphshard.compiler import ops  # noqa: F401  (registers torch.ops.graphshard.*)
+from graphshard.compiler.collection_pause import full_collections_paused
 from graphshard.compiler.checks import (check_all_parameters_sharded,
                                         check_gathered_weights_not_edited,
                                         check_parameters_read_as_attributes)
@@ -95,20 +96,22 @@ class GraphshardCompiler:
                         compiled: list[str]):
         def compile_graph(gm: fx.GraphModule, example_inputs: Sequence[Any]):
             compiled.append(graph_kind)
-            gm = run_pipeline(gm, self.context(graph_kind, split), self.observer)
-            self.graph_memory[graph_kind] = graph_memory(gm, graph_kind)
-            if self.options.check_schedule:
-                check_schedule(gm, graph_kind, dynamo_key=dynamo_key)
-            if self.options.compiler == "eager":
-                return compat.boxed(gm.forward)
-            # Inductor mutates the graph it compiles; observers already hold their copies.
-            return compat.inductor_compile_graph(gm, example_inputs, graph_kind)
+            with full_collections_paused():  # (a backward compiled lazily, at its first run)
+                gm = run_pipeline(gm, self.context(graph_kind, split), self.observer)
+                self.graph_memory[graph_kind] = graph_memory(gm, graph_kind)
+                if self.options.check_schedule:
+                    check_schedule(gm, graph_kind, dynamo_key=dynamo_key)
+                if self.options.compiler == "eager":
+                    return compat.boxed(gm.forward)
+                # Inductor mutates the graph it compiles; observers already hold their copies.
+                return compat.inductor_compile_graph(gm, example_inputs, graph_kind)
 
         return compile_graph
 
+    @full_collections_paused()
     def __call__(self, gm: fx.GraphModule, example_inputs: Sequence[Any]):
         if not has_markers(gm):
-            # Not sharded by graphshard: behave exactly like the backend we hand off to.
+            # Not sharded by graphshard: compile as the backend we hand off to does.
             if self.options.compiler == "eager":
                 return gm.forward
             return compat.inductor_compile(gm, example_inputs)

@@ -12,6 +12,7 @@ import torch.fx as fx
 
 from graphshard.compiler.cost_model import (ClusterSpec, CollectiveCost, GroupSizes, collective_node_cost,
                                    is_plain_number, node_cost)
+from graphshard.passes import meta_keys
 from graphshard.passes.graph_utils import collective_group, is_collective, is_wait
 from graphshard.passes.liveness import MemoryEstimate, graph_memory
 
@@ -42,6 +43,7 @@ class CollectiveEstimate:
 class GraphEstimate:
     total_s: float
     compute_s: float  # sum of compute node times
+    model_compute_s: float  # of those, the model's own (not graphshard's casts and copies)
     flops: int  # of the compute nodes (matmuls, convolutions, attention)
     comm_s: float  # sum of collective times
     exposed_comm_s: float  # total - compute: time compute spent blocked on collectives
@@ -125,7 +127,7 @@ def graph_estimate(gm: fx.GraphModule | fx.Graph, spec: ClusterSpec,
         raise ValueError(f"graph_estimate simulates numbers: world_size must be an int, a "
                          f"{{group_name: int}} mapping or None, got {world_size!r}")
     compute_t = comm_free = met_s = 0.0  # met_s: when the ranks last met in a collective
-    flops = 0
+    flops, model_compute_s = 0, 0.0
     events: list[Event] = []
     issued: dict[fx.Node, tuple[CollectiveCost, float, float, float]] = {}
     for node in (gm.graph if isinstance(gm, fx.GraphModule) else gm).nodes:
@@ -155,6 +157,8 @@ def graph_estimate(gm: fx.GraphModule | fx.Graph, spec: ClusterSpec,
             events.append(Event(node.name, "compute", compute_t, cost.seconds, "compute"))
             compute_t += cost.seconds
             flops += cost.flops
+            if meta_keys.ROLE not in node.meta:  # the passes mark every node they insert
+                model_compute_s += cost.seconds
 
     busy = [(e.start_s, e.start_s + e.dur_s) for e in events
             if e.lane == "compute" and e.kind == "compute" and e.dur_s > 0]
@@ -167,6 +171,6 @@ def graph_estimate(gm: fx.GraphModule | fx.Graph, spec: ClusterSpec,
             seconds, hidden, max(seconds - hidden, 0.0)))
     compute_s = sum(e.dur_s for e in events if e.kind == "compute")
     total = max(compute_t, comm_free)
-    return GraphEstimate(total, compute_s, flops, sum(c.dur_s for c in collectives),
-                         max(total - compute_s, 0.0), tuple(events), tuple(collectives),
-                         graph_memory(gm, graph_kind))
+    return GraphEstimate(total, compute_s, model_compute_s, flops,
+                         sum(c.dur_s for c in collectives), max(total - compute_s, 0.0),
+                         tuple(events), tuple(collectives), graph_memory(gm, graph_kind))

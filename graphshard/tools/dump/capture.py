@@ -36,6 +36,7 @@ def capture(workload, options, stages: Sequence[str],
 
     from graphshard._torch_compat import backward_compiled_with_forward
     from graphshard.compiler.backend import GraphshardCompiler
+    from graphshard.compiler.collection_pause import full_collections_paused
     from graphshard.compiler.pipeline import STAGES
     from graphshard.passes.reshard_policy import kept_from_forward
 
@@ -70,7 +71,7 @@ def capture(workload, options, stages: Sequence[str],
     torch.compiler.reset()
     try:
         compiled = torch.compile(workload.model, backend=compiler, fullgraph=True)
-        with backward_compiled_with_forward():
+        with backward_compiled_with_forward(), full_collections_paused():
             workload.run(compiled)
     except Exception as e:
         if not caused_by(e, CaptureComplete):

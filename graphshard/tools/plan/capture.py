@@ -69,13 +69,14 @@ def _run(workload, recorder) -> None:
     import torch
 
     from graphshard._torch_compat import quiet_selective_checkpoint_notice
+    from graphshard.compiler.collection_pause import full_collections_paused
     from graphshard.tools.dump.capture import CaptureComplete, caused_by
 
     torch.compiler.reset()
     try:
         # The policy is graphshard's: Dynamo's advice on a user's own selective
         # checkpointing policy, logged at every capture, is noise among the progress lines.
-        with quiet_selective_checkpoint_notice():
+        with quiet_selective_checkpoint_notice(), full_collections_paused():
             workload.run(torch.compile(workload.model, backend=recorder, fullgraph=True))
     except Exception as e:
         if not caused_by(e, CaptureComplete):
@@ -151,6 +152,7 @@ def _probes(compiler, joint, joint_inputs, kwargs, knobs: Sequence[Knobs], clust
                              estimates["backward"].memory)
         return Probe(
             step_s=sum(e.total_s for e in estimates.values()),
+            model_compute_s=sum(e.model_compute_s for e in estimates.values()),
             flops=sum(e.flops for e in estimates.values()),
             exposed_comm_s=sum(e.exposed_comm_s for e in estimates.values()),
             comm_bytes=_wire_bytes(estimates),

@@ -33,6 +33,7 @@ class Probe:
     """One knob set on one capture (per device, one micro-batch step)."""
 
     step_s: float  # forward + backward
+    model_compute_s: float  # of it, the model's own compute nodes (not graphshard's, no waits)
     flops: float  # forward + backward, on this device
     exposed_comm_s: float
     comm_bytes: float  # wire bytes this device sends
@@ -70,6 +71,7 @@ class Config:
     exposed_comm_s: float
     fits: bool
     why: str = ""  # why it does not fit
+    model_compute_s: float = 0.0  # the micro-batches' model compute nodes alone
     kept_blocks: int | None = None  # "auto": blocks kept gathered
     estimates: Any = field(default=None, repr=False)
 
@@ -136,7 +138,9 @@ def finish(layout: Layout, knobs: Knobs, probe: Probe, *, accumulation: int, clu
     step, on `devices` devices training `tokens` tokens per step."""
     optimizer_s = (probe.trainable_shard_elements * ADAMW_BYTES_PER_ELEMENT / cluster.memory_bandwidth_Bps
                    + cluster.kernel_overhead_s)
-    step = accumulation * (probe.step_s + cluster.step_overhead_s) + optimizer_s
+    # no shorter than the model's compute (which a depth extrapolation need not respect)
+    busy_s = max(probe.step_s, probe.model_compute_s)
+    step = accumulation * (busy_s + cluster.step_overhead_s) + optimizer_s
     # Micro-batches after the first run with the earlier ones' gradients held.
     peak = probe.state_bytes + probe.transient_bytes + (probe.gradient_bytes if accumulation > 1 else 0)
     peak_flops = matmul_peak(layout, cluster)
@@ -146,4 +150,5 @@ def finish(layout: Layout, knobs: Knobs, probe: Probe, *, accumulation: int, clu
     return Config(layout, knobs, accumulation, step, tokens / step,
                   6 * probe.trainable_params * tokens / (step * devices * peak_flops), peak,
                   accumulation * probe.comm_bytes, accumulation * probe.exposed_comm_s, fits, why,
+                  model_compute_s=accumulation * probe.model_compute_s,
                   estimates=probe.estimates)

@@ -62,9 +62,10 @@ def plan(target: str, devices: int, cluster, global_batch: int, seq: int, *,
     The full_shard layouts, each left out where it cannot beat the best step found
     (`_not_beaten`, `_not_outrun`), then hybrid shard groups only for the best
     `HYBRID_TRIED_FOR` of those (their TP degree, checkpointing, dtype and micro-batch) and
-    the layouts those outran, left out likewise: hybrid groups trade memory for inter-node
-    traffic around a layout that already fits and runs fast, and they are most of the layouts
-    on a cluster of many nodes. `exhaustive`: every layout."""
+    the layouts those outran, the least compute first and left out likewise (and by
+    `_not_outcomputed`): hybrid groups trade memory for inter-node traffic around a layout
+    that already fits and runs fast, and they are most of the layouts on a cluster of many
+    nodes. `exhaustive`: every layout."""
     model_args = dict(model_args or {})
     check_plan_input(devices, cluster, global_batch)
     if "float8" in dtypes and cluster.float8_flops_per_s is None:
@@ -93,23 +94,29 @@ def plan(target: str, devices: int, cluster, global_batch: int, seq: int, *,
     step_flops: dict[tuple, float] = {}  # (tp, ac): one device's matmul FLOPs in a step
     started, captures = time.perf_counter(), [0]
 
-    def evaluate(stage: list[Layout]) -> None:
+    def evaluate(stages: list[list[Layout]]) -> None:
+        """Capture the stages in order, each in waves, leaving out what cannot win."""
         if exhaustive:
-            capture(stage)
+            capture([layout for stage in stages for layout in stage])
             return
-        beaten = outrun = 0  # layouts left out by each bound
-        for wave in waves(stage):  # the fastest of each family first, then what could still win
-            fast_enough = _not_beaten(wave, configs, step_flops, cluster)
-            kept = _not_outrun(fast_enough, configs)
-            beaten += len(wave) - len(fast_enough)
-            outrun += len(fast_enough) - len(kept)
-            capture(kept)
-        why = [f"{beaten} by their matmuls alone at their dtype's peak"] * bool(beaten) + [
-            f"{outrun} by a larger micro-batch or lighter checkpointing of theirs"] * bool(outrun)
-        if why:
-            progress(f"{beaten + outrun} layouts left out, none able to beat the best step found "
-                     f"({_best_step(configs) * 1e3:,.1f} ms): {', '.join(why)} (--exhaustive "
-                     "captures them)")
+        left_out = {"beaten": 0, "outcomputed": 0, "outrun": 0}  # by each bound
+        for stage in stages:
+            for wave in waves(stage):  # the fastest of each family first, then what could win
+                fast_enough = _not_beaten(wave, configs, step_flops, cluster)
+                computed = _not_outcomputed(fast_enough, configs)
+                kept = _not_outrun(computed, configs)
+                left_out["beaten"] += len(wave) - len(fast_enough)
+                left_out["outcomputed"] += len(fast_enough) - len(computed)
+                left_out["outrun"] += len(computed) - len(kept)
+                capture(kept)
+        why = {"beaten": "by their matmuls alone at their dtype's peak",
+               "outcomputed": "by their full_shard twin's model compute alone",
+               "outrun": "by a larger micro-batch or lighter checkpointing of theirs"}
+        reasons = [f"{count} {why[bound]}" for bound, count in left_out.items() if count]
+        if reasons:
+            progress(f"{sum(left_out.values())} layouts left out, none able to beat the best step "
+                     f"found ({_best_step(configs) * 1e3:,.1f} ms): {', '.join(reasons)} "
+                     "(--exhaustive captures them)")
 
     def capture(stage: list[Layout]) -> None:
         jobs = [(target, layout, devices, seq, n, tuple(knobs), cluster, model_args)
@@ -147,7 +154,7 @@ def plan(target: str, devices: int, cluster, global_batch: int, seq: int, *,
         # the dtypes with the fastest matmuls first: a slower dtype's layouts are captured
         # only where their matmuls alone could still beat the best step found
         for peak in sorted({matmul_peak(layout, cluster) for layout in first}, reverse=True):
-            evaluate([layout for layout in first if matmul_peak(layout, cluster) == peak])
+            evaluate([[layout for layout in first if matmul_peak(layout, cluster) == peak]])
         if hybrid and not exhaustive:
             best = best_layouts(configs, HYBRID_TRIED_FOR)
             # and what those outran: a hybrid layout holds more memory than its full_shard
@@ -157,7 +164,7 @@ def plan(target: str, devices: int, cluster, global_batch: int, seq: int, *,
             progress(f"hybrid shard groups for the best {len(best)} full_shard layouts and the "
                      f"layouts they outran: up to {len(second)} layouts ({len(hybrid) - len(second)} "
                      "left out; --exhaustive tries them all)")
-            evaluate(second)
+            evaluate(by_compute_floor(second, configs))
     if not configs:
         raise PlanError(f"{target}: no layout could be captured: {skipped[0]}")
     configs.sort(key=_best_first)
@@ -217,6 +224,43 @@ def _not_outrun(stage: list[Layout], configs: list[Config]) -> list[Layout]:
 
     best = _best_step(configs)
     return [layout for layout in stage if bound(layout) < best]
+
+
+def compute_floor(layout: Layout, configs: list[Config]) -> float:
+    """At most any step of the hybrid `layout`: the model's own compute in its full_shard twin
+    (the same TP degree, checkpointing, dtype and micro-batch), the least of its option sets;
+    or in a twin whose key outruns `layout`'s (`_outruns`), whose hybrid layout of the same
+    shard groups is no slower than `layout`. The model's nodes and their shapes are the same in
+    both strategies; only graphshard's own (casts, padding, bucket copies, collectives) differ
+    with the shard groups, and they are left out. 0 for a full_shard layout, and where no such
+    twin was captured."""
+    if layout.strategy == "full_shard":
+        return 0.0
+    twins: dict[tuple, float] = {}
+    for config in configs:
+        key = _but_strategy(config.layout)
+        if config.layout.strategy == "full_shard" and _outruns(key, _but_strategy(layout)):
+            twins[key] = min(config.model_compute_s, twins.get(key, float("inf")))
+    return max(twins.values(), default=0.0)
+
+
+def by_compute_floor(stage: list[Layout], configs: list[Config]) -> list[list[Layout]]:
+    """`stage` (hybrid layouts) in groups of one full_shard twin each, the lowest
+    `compute_floor` first (then lighter checkpointing, larger micro-batches: a group's
+    outrunners before it): the likeliest best is captured first, and the groups after it only
+    while they could still beat it (`_not_outcomputed`)."""
+    groups: dict[tuple, list[Layout]] = {}
+    for layout in stage:
+        groups.setdefault(_but_strategy(layout), []).append(layout)
+    return sorted(groups.values(), key=lambda group: (
+        compute_floor(group[0], configs), AC_RECOMPUTES[group[0].ac], -group[0].micro_batch))
+
+
+def _not_outcomputed(stage: list[Layout], configs: list[Config]) -> list[Layout]:
+    """The layouts of `stage` that could still beat the best fitting configuration found: a
+    hybrid layout's step takes at least its `compute_floor`."""
+    best = _best_step(configs)
+    return [layout for layout in stage if compute_floor(layout, configs) < best]
 
 
 def _not_beaten(stage: list[Layout], configs: list[Config], step_flops: dict,
