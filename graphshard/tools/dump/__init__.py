@@ -37,8 +37,8 @@ callable, and a factory without one, whose loss would be a plain reduction of th
 the very same graphs.)
 
 Cost: almost all of it is Dynamo + AOTAutograd + partitioning (JSON `timing.stages_s`). The
-Llama-3-8B shape (32 blocks, dim 4096; batch 1, seq 128) at world size 64 takes 35 s of CPU
-time and as much wall time on a 2-core VM whose bench compute-only step is 72 ms
+Llama-3-8B shape (32 blocks, dim 4096; batch 1, seq 128) at world size 64 takes 34-35 s of
+CPU time and as much wall time on a 2-core VM whose bench compute-only step is 67-72 ms
 (`python -m graphshard.bench.tool_time`), full garbage collections paused while it captures.
 
 Output: the graphs of the stage(s) asked for with `--stage`, as code; a table of every
