@@ -147,6 +147,7 @@ def test_all_to_all_keeps_each_ranks_own_chunk_local_in_one_graph_for_every_rank
     from graphshard.passes.graph_utils import (ALL_TO_ALL, exchange_share, is_exchange_with_peers,
                                               unsharded_bytes)
     from graphshard.passes.reduce_scatter_via_all_to_all import reduce_scatter_via_all_to_all
+    from graphshard.passes.pack_graph_inputs import pack_graph_inputs
     from graphshard.compiler.cost_model import ClusterSpec, collective_node_cost
 
     params = [("layers.0.a", (11, 3), torch.float32), ("layers.0.b", (6,), torch.float32),
@@ -158,7 +159,7 @@ def test_all_to_all_keeps_each_ranks_own_chunk_local_in_one_graph_for_every_rank
         return tensor[rank * chunk:(rank + 1) * chunk]
 
     def rank_free(gm):  # what the exchanges and the copy-out are told: nothing of the rank
-        return [(str(n.target), fx.node.map_arg(n.args, lambda arg: arg.name))
+        return [(str(n.target), fx.node.map_arg(n.args, lambda arg: "node"))
                 for n in gm.graph.nodes if n.target is ALL_TO_ALL or is_exchange_with_peers(n)
                 or n.target is torch.ops.graphshard.split_copy.default]
 
@@ -168,7 +169,20 @@ def test_all_to_all_keeps_each_ranks_own_chunk_local_in_one_graph_for_every_rank
         full_bucket = {collective_kind(c): unsharded_bytes(c) for c in gm.graph.nodes if is_collective(c)}
         context = PassContext("forward", GraphshardOptions(), own_chunk_local=True)
         gm = all_gather_via_all_to_all(reduce_scatter_via_all_to_all(gm, context), context)
+        gm = pack_graph_inputs(gm, context)
         gather, scatter = sorted((n for n in gm.graph.nodes if is_collective(n)), key=collective_kind)
+        # the shards' send buffer and the local sum run in ATen: no kernel to generate for them;
+        # the last rank pads its short shards first, and Inductor fuses the padding into the copy
+        packed_by_aten = rank < world - 1
+        assert (gather.args[0].target is torch.ops.graphshard.concat_inputs.default) == packed_by_aten
+        (local_sum,) = call_nodes(gm, torch.ops.graphshard.sum_received.default)
+        assert local_sum.args[1:] == ((1, scatter.args[0], "0") if world == 2 else (world, None, None))
+        # the gradients' bucket stays Inductor's to fuse with the ops that compute them
+        reduced = scatter.args[0]
+        while reduced.target is not torch.ops.aten.cat.default:
+            reduced = reduced.args[0]  # through the flattening views
+        assert set(call_nodes(gm, torch.ops.aten.cat.default)) == {reduced} | (
+            set() if packed_by_aten else {gather.args[0]})
         assert is_exchange_with_peers(gather) and gather.args[1:] == (world, "0", False)
         assert exchange_share(gather) == fractions.Fraction(world, world - 1)
         if world == 2:

@@ -1,5 +1,6 @@
 """The marker ops `graphshard::unshard`, `graphshard::reduce_grad` and `graphshard::float8_scale`,
-`graphshard::split_copy`, and the all-to-all transports' rank-invariant exchange ops.
+`graphshard::split_copy`, the all-to-all transports' rank-invariant exchange ops and the copies
+that ATen runs in place of a generated kernel.
 
 Dynamo and AOTAutograd see these as opaque functional ops, one per parameter read and one per
 gradient, carrying everything the lowering needs in their arguments (passes/markers.py types
@@ -95,7 +96,9 @@ def _split_copy_fake(row_blocks, sizes, own_row_group=None):
 _TRANSPORT_OPS = torch.library.Library("graphshard", "FRAGMENT")
 _TRANSPORT_OPS.define("exchange_with_peers(Tensor buffer, int group_size, str group_name, "
                       "bool holds_own_chunk) -> Tensor")
-_TRANSPORT_OPS.define("own_chunk_index(Tensor like, str group_name) -> Tensor")
+_TRANSPORT_OPS.define("sum_received(Tensor received, int rows, Tensor? own_buffer, "
+                      "str? group_name) -> Tensor")
+_TRANSPORT_OPS.define("concat_inputs(Tensor[] pieces) -> Tensor")
 
 
 def exchange_with_peers(buffer: torch.Tensor, group_size: int, group_name: str,
@@ -127,16 +130,30 @@ def peer_exchange(buffer: torch.Tensor, group_size: int, holds_own_chunk: bool,
     return send, [0 if r == rank else chunk for r in range(group_size)]
 
 
-def own_chunk_index(like: torch.Tensor, group_name: str) -> torch.Tensor:
-    """This rank's place in the group, as a one-element index tensor on `like`'s device: the
-    graph reads the rank's own chunk through it (aten.index), so the graph stays every rank's
-    and Inductor still fuses the read into the local sum."""
-    return torch.full((1,), compat.process_group_rank(group_name), dtype=torch.int64,
-                      device=like.device)
+def sum_received(received: torch.Tensor, rows: int, own_buffer: torch.Tensor | None,
+                 group_name: str | None) -> torch.Tensor:
+    """The all-to-all reduce-scatter's local sum: the `rows` chunks received, summed, plus,
+    with `own_buffer` (group size 2: the exchange left the own chunk out), this rank's own chunk
+    of the reduction's buffer, found at its place in the group when it runs (the graph is every
+    rank's). ATen runs it: as a graph op, Inductor would generate and compile a kernel for each
+    bucket size (a second or so each on CPU), for one add or sum over memory."""
+    chunks = received.view(rows, -1)
+    if own_buffer is None:
+        return chunks.sum(0)
+    own = own_buffer.view(-1, chunks.shape[1])[compat.process_group_rank(group_name)]
+    return torch.add(chunks[0], own) if rows == 1 else chunks.sum(0).add_(own)
+
+
+def concat_inputs(pieces: list[torch.Tensor]) -> torch.Tensor:
+    """torch.cat on dim 0 of pieces that are graph inputs (a bucket's shards packed for its
+    gather, passes/pack_graph_inputs.py): a copy of memory, which ATen does as fast as a
+    generated kernel, without one to compile for each bucket."""
+    return torch.cat(pieces)
 
 
 _TRANSPORT_OPS.impl("exchange_with_peers", exchange_with_peers, "CompositeExplicitAutograd")
-_TRANSPORT_OPS.impl("own_chunk_index", own_chunk_index, "CompositeExplicitAutograd")
+_TRANSPORT_OPS.impl("sum_received", sum_received, "CompositeExplicitAutograd")
+_TRANSPORT_OPS.impl("concat_inputs", concat_inputs, "CompositeExplicitAutograd")
 
 
 @torch.library.register_fake("graphshard::exchange_with_peers")
@@ -148,9 +165,14 @@ def _exchange_with_peers_fake(buffer, group_size, group_name, holds_own_chunk):
     return buffer.new_empty((rows, *buffer.shape[1:]))
 
 
-@torch.library.register_fake("graphshard::own_chunk_index")
-def _own_chunk_index_fake(like, group_name):
-    return like.new_empty((1,), dtype=torch.int64)
+@torch.library.register_fake("graphshard::sum_received")
+def _sum_received_fake(received, rows, own_buffer, group_name):
+    return received.new_empty((received.numel() // rows,))
+
+
+@torch.library.register_fake("graphshard::concat_inputs")
+def _concat_inputs_fake(pieces):
+    return torch.cat(pieces)
 
 
 def call_unshard(shard: torch.Tensor, spec: UnshardSpec) -> torch.Tensor:

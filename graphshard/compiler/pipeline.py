@@ -3,7 +3,7 @@
     Dynamo graph    -- merged -->                  (merge_duplicate_unshards)
     AOTAutograd joint graph -- tagged -->          (tag_reshard_policy), then the min-cut partition
     forward / backward graphs -- partitioned --> lowered --> bucketed --> scheduled --> transport
-    --> freed --> Inductor (compile_fx_inner)
+    --> packed --> freed --> Inductor (compile_fx_inner)
 
 `PIPELINE` below is that list; `graphshard dump --stage` takes its stage names from it, and an
 observer sees every stage's graph. Each stage runs on one family of graphs and names the stages
@@ -32,6 +32,7 @@ from graphshard.passes.free_collective_buffers import free_collective_buffers
 from graphshard.passes.insert_collectives import insert_collectives
 from graphshard.passes.liveness import saved_activations
 from graphshard.passes.merge_duplicate_unshards import merge_duplicate_unshards
+from graphshard.passes.pack_graph_inputs import pack_graph_inputs
 from graphshard.passes.reduce_scatter_via_all_to_all import reduce_scatter_via_all_to_all
 from graphshard.passes.reorder_collectives import ReorderPolicy, reorder_collectives
 from graphshard.passes.reshard_policy import tag_reshard_policy
@@ -101,6 +102,7 @@ PIPELINE: tuple[Stage, ...] = (
     # After all analysis: the analysis reads collectives, the transport rewrites them.
     Stage("transport", "split", _transport, requires=("scheduled",),
           enabled=lambda options: bool(options.via_all_to_all(on_gloo=True))),
+    Stage("packed", "split", pack_graph_inputs, requires=("lowered",)),
     # Last: frees what the collectives that run actually hold.
     Stage("freed", "split", free_collective_buffers, requires=("lowered",)),
 )

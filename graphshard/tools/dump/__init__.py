@@ -14,7 +14,7 @@ A factory returns `(model, example_inputs)` or `(model, example_inputs, loss_fn)
 example_inputs is a tuple, one tensor, or a dict of keyword inputs; `--batch`,
 `--seq` and `--model-args` become its keyword arguments (built-ins: batch=1, seq_len=128 unless
 given). `--stage` prints the FX graphs of a stage of `pipeline.STAGES` (merged: the Dynamo graph;
-tagged: the joint graph; partitioned, lowered, bucketed, scheduled, transport, freed: the
+tagged: the joint graph; partitioned, lowered, bucketed, scheduled, transport, packed, freed: the
 forward and backward graphs), or of `all`; default `none`: the summary only. Dtypes are
 spelled either way (bf16 or bfloat16, fp16 or float16, fp32 or float32). Progress of the long
 phases (capture, passes, estimate) goes to stderr, unless `--quiet`. Bad input exits with status
