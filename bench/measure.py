@@ -162,7 +162,8 @@ def analyze(prof: profile, world_size: int, steps: int = 1) -> StepProfile:
 
 def _main_thread_split(inside: list, thread: int, steps: int, breakdown: dict) -> dict[str, float]:
     """The step's main thread, ms per step: inside the compiled graphs, the kernels (compute,
-    and the copies Inductor fuses into it: packing buckets, casts), the collective calls
+    the copies Inductor fuses into it: packing reduce-scatter buckets, casts; and the packing and
+    local sums ATen runs for graphshard's buckets), the collective calls
     (`issue`), the waits on collectives and graphshard's copy-out of gathered buckets
     (`copy_out`); outside them and the optimizer, the host's own work (`host`: Python, Dynamo's
     guards, the autograd engine, gradient accumulation). Eager methods run no compiled graph:

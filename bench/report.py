@@ -203,8 +203,8 @@ def limit_breakdown(summary: dict, method: str) -> dict | None:
     """`method`'s time above compute-only (each rank's unsharded model compiled, no
     communication), in ms: the timed medians of the step, compute-only and the same
     collectives alone, then the profiled difference split into exposed communication (waits
-    and collective calls), bucket copy-out, slower kernels (packing buckets and casts are fused
-    into them), the optimizer and the host; None where a method is missing."""
+    and collective calls), bucket copy-out, slower kernels (packing buckets, local sums and casts
+    count there), the optimizer and the host; None where a method is missing."""
     methods = summary["methods"]
     ours, floor = methods.get(method), methods.get("compute_only")
     if not (ours and floor and ours["status"] == OK and floor["status"] == OK

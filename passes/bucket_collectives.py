@@ -10,6 +10,7 @@ packed in parameter registration order (FSDP2's copy-in / copy-out layout):
     all-gather:      cat(flat shards) -> all_gather -> wait -> view (N, S) -> split_copy columns
     reduce-scatter:  per-param (N, n_i) views -> cat(dim=1) -> reduce_scatter -> wait -> split views
     all-reduce:      cat(flat grads) -> all_reduce -> wait -> split views
+                     (no_shard: graphshard::concat, see below)
                      (hybrid: a reduce-scatter bucket's output, whole, instead of the cat)
 
 (split_copy: graphshard/compiler/ops.py, one call per bucket that Inductor does not generate a
@@ -22,6 +23,13 @@ output the same way).
 A size cap (bucket_mb, unsharded bytes) splits large units; different dtypes never share one
 (nor float8 gathers, sent as uint8, with other bytes), nor all-reduces of different reduce ops
 (a float8 scale's MAX, a gradient's sum).
+
+Gradients all-reduced whole (no_shard: the graph reduce-scatters nothing) share buckets across
+units, as DDP's do: every gradient is held until the optimizer step anyway, so a bucket that
+spans units keeps nothing alive longer, and each collective saves its latency and the ranks'
+meeting. Such a bucket closes at the cap in the order backward produces the gradients, and
+ATen packs it (`graphshard::concat`) where it is issued: as a fused concatenation, Inductor
+would allocate it with its first gradient, at the activations' peak.
 """
 
 from __future__ import annotations
@@ -70,9 +78,20 @@ class Bucket:
         return sum(unsharded_bytes(m) for m in self.members)
 
 
+STEP_BUCKETS = "<step>"  # the unit label of gradient all-reduce buckets that span units
+CONCAT = torch.ops.graphshard.concat.default
+
+
 def _unit_label(node: fx.Node) -> str | None:
     params = collective_params(node)
     return block_of(params[0]) if params else None
+
+
+def _all_reduces_whole_gradients(collectives: list[fx.Node]) -> bool:
+    """No_shard's backward graphs: gradients are summed by all-reduce and nothing is
+    reduce-scattered (hybrid sharding's all-reduces read a unit's reduce-scatter bucket whole,
+    per unit). The caller takes only sum all-reduces: a forward's float8 scales take the MAX."""
+    return not any(collective_kind(node) == "reduce_scatter" for node in collectives)
 
 
 def plan_buckets(gm: fx.GraphModule, cap_bytes: float,
@@ -81,6 +100,7 @@ def plan_buckets(gm: fx.GraphModule, cap_bytes: float,
     param_order = param_order or {}
     order = node_order(gm.graph)
     collectives = [n for n in gm.graph.nodes if is_graphshard_collective(n)]
+    spanning = _all_reduces_whole_gradients(collectives)
     # Runs of consecutive collectives of one kind in the same unit (a collective of that kind
     # from another unit closes them), split by process group and dtype. Runs of collectives
     # outside repeated blocks are leftover units ("<other 1>", "<other 2>", ...).
@@ -92,6 +112,8 @@ def plan_buckets(gm: fx.GraphModule, cap_bytes: float,
     for node in collectives:
         kind = collective_kind(node)
         unit = _unit_label(node)
+        if spanning and kind == "all_reduce" and _reduce_op(node) == "sum":
+            unit = STEP_BUCKETS
         if kind not in unit_of_kind or unit_of_kind[kind] != unit:
             if unit is None:
                 leftovers += 1
@@ -111,7 +133,8 @@ def plan_buckets(gm: fx.GraphModule, cap_bytes: float,
 
     buckets: list[Bucket] = []
     for run in runs:
-        members = sorted(run.members, key=packing_key)
+        # a unit's bucket is cut in packing order; one spanning units, as gradients come
+        members = sorted(run.members, key=order.__getitem__ if run.unit == STEP_BUCKETS else packing_key)
         current = Bucket(run.kind, run.unit)
         for member in members:
             size = unsharded_bytes(member)
@@ -120,6 +143,8 @@ def plan_buckets(gm: fx.GraphModule, cap_bytes: float,
                 current = Bucket(run.kind, run.unit)
             current.members.append(member)
         buckets.append(current)
+    for bucket in buckets:
+        bucket.members.sort(key=packing_key)
     return buckets
 
 
@@ -218,8 +243,9 @@ def _rewrite_reduce(gm: fx.GraphModule, bucket: Bucket, fake_mode) -> None:
             numels = [x.meta["val"].numel() for x in inputs]
             # Hybrid sharding: the replicas' all-reduce of a reduce-scatter bucket's gradients
             # reads that bucket whole (no concatenation copying it back together).
+            pack = CONCAT if bucket.unit == STEP_BUCKETS else aten.cat.default
             flat = _split_source(inputs) or emit(
-                aten.cat.default, [emit(aten.reshape.default, x, [-1]) for x in inputs])
+                pack, [emit(aten.reshape.default, x, [-1]) for x in inputs])
             reduced = emit(WAIT, emit(ALL_REDUCE, flat, _reduce_op(first), group_name))
             reduced.args[0].meta[meta_keys.GROUP_SIZE] = group_size
         outputs = _views_out(emit, reduced, members, numels)

@@ -96,11 +96,11 @@ def free_collective_buffers(gm: fx.GraphModule, ctx: PassContext | None = None) 
 
 def _maybe_no_op(node: fx.Node, source: fx.Node) -> bool:
     """Whether Inductor may replace `node` by `source`, its first input (Inductor's no-op
-    removal only drops aten ops whose result has the input's shape, strides and dtype; an op of
-    ours, such as the all-to-all reduce-scatter's local sum, always runs)."""
+    removal only drops ops whose result has the input's shape, strides and dtype; graphshard's
+    own ops, such as the all-to-all reduce-scatter's local sum, always run)."""
     if node.op != "call_function" or not node.args or node.args[0] is not source:
         return False
-    if getattr(node.target, "namespace", None) != "aten":
+    if getattr(node.target, "namespace", None) == "graphshard":
         return False
     if is_wait(node) or any(is_wait(user) for user in node.users):  # a collective, not a no-op
         return False

@@ -5,9 +5,10 @@ graph inputs (bucket_collectives; the all-to-all transport repeats the parts). I
 generate a kernel for each such concatenation, one per distinct bucket layout (the embedding's,
 a block's, the head's; forward and backward gather different sets), and compile each, about
 0.7 s of g++ apiece on CPU (a Triton compile on GPU), for a plain copy of memory that torch.cat
-does as fast. Here each becomes `graphshard::concat_inputs` (compiler/ops.py), which Inductor
+does as fast. Here each becomes `graphshard::concat` (compiler/ops.py), which Inductor
 calls as it is. A concatenation that reads anything computed in the graph is left to Inductor,
-which fuses it with its producers (a mixed-precision gather's casts, a gradient bucket's copy-in).
+which fuses it with its producers (a mixed-precision gather's casts, a reduce-scatter bucket's
+copy-in).
 
 Runs after the transport (which recognises the bucket's concatenation) and before the buffers
 are freed; the graph's collectives and their order do not change.
@@ -18,10 +19,11 @@ from __future__ import annotations
 import torch
 import torch.fx as fx
 
+from graphshard.passes import meta_keys
 from graphshard.passes.context import PassContext
 from graphshard.passes.graph_utils import aten, finalize_graph, is_view
 
-CONCAT_INPUTS = torch.ops.graphshard.concat_inputs.default
+CONCAT = torch.ops.graphshard.concat.default
 
 
 def pack_graph_inputs(gm: fx.GraphModule, ctx: PassContext | None = None) -> fx.GraphModule:
@@ -29,7 +31,7 @@ def pack_graph_inputs(gm: fx.GraphModule, ctx: PassContext | None = None) -> fx.
         if not _concatenates_inputs(node):
             continue
         with gm.graph.inserting_before(node):
-            packed = gm.graph.call_function(CONCAT_INPUTS, (list(node.args[0]),))
+            packed = gm.graph.call_function(CONCAT, (list(node.args[0]),))
         packed.meta.update(node.meta)
         node.replace_all_uses_with(packed)
         gm.graph.erase_node(node)
@@ -37,8 +39,10 @@ def pack_graph_inputs(gm: fx.GraphModule, ctx: PassContext | None = None) -> fx.
 
 
 def _concatenates_inputs(node: fx.Node) -> bool:
-    """A dim-0 torch.cat of two or more pieces, each a graph input or a view of one."""
-    if node.op != "call_function" or node.target is not aten.cat.default:
+    """A bucket's dim-0 torch.cat (graphshard emitted it: it has a role) of two or more
+    pieces, each a graph input or a view of one. The model's own concatenations stay."""
+    if (node.op != "call_function" or node.target is not aten.cat.default
+            or node.meta.get(meta_keys.ROLE) is None):
         return False
     pieces = node.args[0]
     dim = node.args[1] if len(node.args) > 1 else node.kwargs.get("dim", 0)

@@ -159,7 +159,7 @@ def test_all_to_all_keeps_each_ranks_own_chunk_local_in_one_graph_for_every_rank
         return tensor[rank * chunk:(rank + 1) * chunk]
 
     def rank_free(gm):  # what the exchanges and the copy-out are told: nothing of the rank
-        return [(str(n.target), fx.node.map_arg(n.args, lambda arg: "node"))
+        return [(str(n.target), fx.node.map_arg(n.args, lambda arg: tuple(arg.meta["val"].shape)))
                 for n in gm.graph.nodes if n.target is ALL_TO_ALL or is_exchange_with_peers(n)
                 or n.target is torch.ops.graphshard.split_copy.default]
 
@@ -174,7 +174,7 @@ def test_all_to_all_keeps_each_ranks_own_chunk_local_in_one_graph_for_every_rank
         # the shards' send buffer and the local sum run in ATen: no kernel to generate for them;
         # the last rank pads its short shards first, and Inductor fuses the padding into the copy
         packed_by_aten = rank < world - 1
-        assert (gather.args[0].target is torch.ops.graphshard.concat_inputs.default) == packed_by_aten
+        assert (gather.args[0].target is torch.ops.graphshard.concat.default) == packed_by_aten
         (local_sum,) = call_nodes(gm, torch.ops.graphshard.sum_received.default)
         assert local_sum.args[1:] == ((1, scatter.args[0], "0") if world == 2 else (world, None, None))
         # the gradients' bucket stays Inductor's to fuse with the ops that compute them

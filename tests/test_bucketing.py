@@ -20,9 +20,10 @@ from graphshard.passes.graph_utils import (
     ALL_GATHER, ALL_REDUCE, REDUCE_SCATTER, WAIT, GraphEmitter, aten, collective_params,
     is_collective, is_wait, node_order, wait_of,
 )
+from graphshard.passes.units import block_of
 from graphshard.passes.liveness import graph_memory
 from tests.capture import call_nodes, capture_step
-from tests.pass_graphs import gather_graph, ctx, small_transformer
+from tests.pass_graphs import MB, gather_graph, ctx, small_transformer
 
 
 def test_size_cap_splits_a_unit_into_ceil_total_over_cap_buckets():
@@ -165,6 +166,51 @@ def test_world_size_64_llama_buckets_per_block(fake_pg):
     assert len(rs) == 5 and all(node.args[2] == 64 for node in rs)
 
 
+class _UsedOutOfOrder(torch.nn.Module):
+    """Six equal blocks, run in an order that is not their registration order."""
+    USE = (3, 0, 5, 1, 4, 2)
+
+    def __init__(self):
+        super().__init__()
+        self.layers = torch.nn.ModuleList(torch.nn.Linear(32, 32) for _ in self.USE)
+
+    def forward(self, x):
+        for index in self.USE:
+            x = torch.tanh(self.layers[index](x))
+        return x
+
+
+@pytest.mark.parametrize("fake_pg", [8], indirect=True)
+def test_no_shard_gradient_buckets_span_units_and_close_in_backward_order(fake_pg):
+    """no_shard's gradient all-reduces share buckets across units, as DDP's: one bucket under a
+    cap that holds every gradient; under a cap of two blocks, each bucket takes the gradients
+    of the blocks backward finishes one after the other (registration order would pair a block
+    backward finishes first with one it finishes last, holding that all-reduce to the end),
+    packed by ATen where it is issued. Hybrid sharding's all-reduces stay one per unit's
+    reduce-scatter bucket, read whole."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    def backward_graph(model, strategy, **kw):
+        return capture_step(model, (torch.randn(4, 32),), lambda out, x: out.sum(),
+                            strategy=strategy, **kw)[("backward", "bucketed")]
+
+    (whole,) = call_nodes(backward_graph(_UsedOutOfOrder(), "no_shard"), ALL_REDUCE)
+    assert {block_of(p) for p in collective_params(whole)} == {f"layers.{i}" for i in range(6)}
+    block_bytes = 33 * 32 * 4
+    bwd = backward_graph(_UsedOutOfOrder(), "no_shard", options={"bucket_mb": 2 * block_bytes / MB})
+    buckets = call_nodes(bwd, ALL_REDUCE)
+    finished = [f"layers.{i}" for i in reversed(_UsedOutOfOrder.USE)]
+    assert [sorted({block_of(p) for p in collective_params(b)}) for b in buckets] == [
+        sorted(finished[i:i + 2]) for i in (0, 2, 4)]
+    assert all(b.args[0].target is torch.ops.graphshard.concat.default for b in buckets)
+
+    model, inputs, loss_fn = small_transformer()
+    hybrid = capture_step(model, inputs, loss_fn, strategy="hybrid_shard",
+                          shard_kwargs={"mesh": init_device_mesh("cpu", (2, 4))})[("backward", "bucketed")]
+    units = [{block_of(p) for p in collective_params(c)} for c in call_nodes(hybrid, ALL_REDUCE)]
+    assert len(units) > 1 and all(len(unit) == 1 for unit in units)
+
+
 @pytest.mark.parametrize("fake_pg, strategy, options", [
     (2, "full_shard", {"all_gather": "all_to_all", "reduce_scatter": "all_to_all"}),
     # unbucketed: each gathered weight is saved for backward as the collective's own output
@@ -192,7 +238,7 @@ def test_each_collective_buffer_is_freed_after_its_last_reader_and_no_other(fake
                           shard_kwargs=shard_kwargs)
     for kind in ("forward", "backward"):
         gm = graphs[(kind, "freed")]
-        before = graphs.get((kind, "transport"), graphs[(kind, "lowered")])  # the stage before
+        before = graphs[(kind, "packed")]  # the stage before
         assert graph_memory(gm, kind).peak_bytes == graph_memory(before, kind).peak_bytes
         buffers, order = Buffers(gm), node_order(gm.graph)
         outputs = {b for n in gm.graph.output_node().all_input_nodes for b in buffers.owned[n]}

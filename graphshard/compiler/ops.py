@@ -1,6 +1,6 @@
 """The marker ops `graphshard::unshard`, `graphshard::reduce_grad` and `graphshard::float8_scale`,
-`graphshard::split_copy`, the all-to-all transports' rank-invariant exchange ops and the copies
-that ATen runs in place of a generated kernel.
+`graphshard::split_copy`, the all-to-all transports' rank-invariant exchange ops, and the
+bucket packing and local sums that ATen runs in place of a generated kernel.
 
 Dynamo and AOTAutograd see these as opaque functional ops, one per parameter read and one per
 gradient, carrying everything the lowering needs in their arguments (passes/markers.py types
@@ -91,14 +91,14 @@ def _split_copy_fake(row_blocks, sizes, own_row_group=None):
     return [row_blocks[0].new_empty((rows, size)) for size in sizes]
 
 
-# The transports' exchange ops run once per bucket per step: defined on a Library, not with
+# The transports' and the buckets' ops run once per bucket per step: defined on a Library, not with
 # custom_op, whose Python wrapper costs about 10 us a call against about 3 us.
 _TRANSPORT_OPS = torch.library.Library("graphshard", "FRAGMENT")
 _TRANSPORT_OPS.define("exchange_with_peers(Tensor buffer, int group_size, str group_name, "
                       "bool holds_own_chunk) -> Tensor")
 _TRANSPORT_OPS.define("sum_received(Tensor received, int rows, Tensor? own_buffer, "
                       "str? group_name) -> Tensor")
-_TRANSPORT_OPS.define("concat_inputs(Tensor[] pieces) -> Tensor")
+_TRANSPORT_OPS.define("concat(Tensor[] pieces) -> Tensor")
 
 
 def exchange_with_peers(buffer: torch.Tensor, group_size: int, group_name: str,
@@ -141,19 +141,22 @@ def sum_received(received: torch.Tensor, rows: int, own_buffer: torch.Tensor | N
     if own_buffer is None:
         return chunks.sum(0)
     own = own_buffer.view(-1, chunks.shape[1])[compat.process_group_rank(group_name)]
-    return torch.add(chunks[0], own) if rows == 1 else chunks.sum(0).add_(own)
+    return torch.add(chunks[0], own)  # one row received: the fake refuses more
 
 
-def concat_inputs(pieces: list[torch.Tensor]) -> torch.Tensor:
-    """torch.cat on dim 0 of pieces that are graph inputs (a bucket's shards packed for its
-    gather, passes/pack_graph_inputs.py): a copy of memory, which ATen does as fast as a
-    generated kernel, without one to compile for each bucket."""
+def concat(pieces: list[torch.Tensor]) -> torch.Tensor:
+    """torch.cat on dim 0, run by ATen, for the buckets whose packing is a plain copy: a gather's
+    shards, graph inputs (passes/pack_graph_inputs.py), for which Inductor would generate and
+    compile a kernel per bucket layout; and a gradient bucket all-reduced whole
+    (passes/bucket_collectives.py), which Inductor would have the kernels computing the
+    gradients write into, allocating the bucket with its first gradient: backward would hold it
+    from there, at the activations' peak, instead of from where it is packed."""
     return torch.cat(pieces)
 
 
 _TRANSPORT_OPS.impl("exchange_with_peers", exchange_with_peers, "CompositeExplicitAutograd")
 _TRANSPORT_OPS.impl("sum_received", sum_received, "CompositeExplicitAutograd")
-_TRANSPORT_OPS.impl("concat_inputs", concat_inputs, "CompositeExplicitAutograd")
+_TRANSPORT_OPS.impl("concat", concat, "CompositeExplicitAutograd")
 
 
 @torch.library.register_fake("graphshard::exchange_with_peers")
@@ -167,11 +170,13 @@ def _exchange_with_peers_fake(buffer, group_size, group_name, holds_own_chunk):
 
 @torch.library.register_fake("graphshard::sum_received")
 def _sum_received_fake(received, rows, own_buffer, group_name):
+    if own_buffer is not None and rows != 1:  # refused on every rank while the graph is built
+        raise ValueError(f"sum_received: the own chunk is added to one received row, got {rows}")
     return received.new_empty((received.numel() // rows,))
 
 
-@torch.library.register_fake("graphshard::concat_inputs")
-def _concat_inputs_fake(pieces):
+@torch.library.register_fake("graphshard::concat")
+def _concat_fake(pieces):
     return torch.cat(pieces)
 
 
