@@ -68,16 +68,17 @@ def capture(workload, options, stages: Sequence[str],
 
     # Inductor would only consume the final graphs: skip it, run exactly the backend's passes.
     compiler = GraphshardCompiler(dataclasses.replace(options, compiler="eager"), observe)
-    torch.compiler.reset()
-    try:
-        compiled = torch.compile(workload.model, backend=compiler, fullgraph=True)
-        with backward_compiled_with_forward(), full_collections_paused():
-            workload.run(compiled)
-    except Exception as e:
-        if not caused_by(e, CaptureComplete):
-            raise
-    finally:
+    with full_collections_paused():  # the resets too: they make and drop many objects
         torch.compiler.reset()
+        try:
+            compiled = torch.compile(workload.model, backend=compiler, fullgraph=True)
+            with backward_compiled_with_forward():
+                workload.run(compiled)
+        except Exception as e:
+            if not caused_by(e, CaptureComplete):
+                raise
+        finally:
+            torch.compiler.reset()
     if "forward" not in result.final:
         raise RuntimeError("the graphshard backend never saw a sharded graph "
                            "(no parameter read reached torch.compile)")
