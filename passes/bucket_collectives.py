@@ -27,10 +27,9 @@ A size cap (bucket_mb, unsharded bytes) splits large units; different dtypes nev
 Gradients all-reduced whole (no_shard: the graph reduce-scatters nothing) share buckets across
 units, as DDP's do: every gradient is held until the optimizer step anyway, so a bucket that
 spans units keeps nothing alive longer, and each collective saves its latency and the ranks'
-meeting. Such a bucket closes at the cap in the order backward produces the gradients, ATen
-packs it (`graphshard::concat`) where it is issued (as a fused concatenation, Inductor would
-allocate it with its first gradient, at the activations' peak), and it is all-reduced in
-place: nothing else reads it, and the functional all-reduce would cost another copy of it.
+meeting. Such a bucket closes at the cap in the order backward produces the gradients, and
+ATen packs it (`graphshard::concat`) where it is issued: as a fused concatenation, Inductor
+would allocate it with its first gradient, at the activations' peak.
 """
 
 from __future__ import annotations
@@ -48,7 +47,6 @@ from graphshard.passes.context import PassContext
 from graphshard.passes.graph_utils import (
     ALL_GATHER,
     ALL_REDUCE,
-    ALL_REDUCE_IN_PLACE,
     REDUCE_SCATTER,
     WAIT,
     GraphEmitter,
@@ -152,7 +150,7 @@ def plan_buckets(gm: fx.GraphModule, cap_bytes: float,
 
 def _reduce_op(node: fx.Node) -> str | None:
     # A float8 scale's all-reduce takes the MAX, a gradient's the sum: never one bucket.
-    return node.args[1] if node.target in (ALL_REDUCE, ALL_REDUCE_IN_PLACE, REDUCE_SCATTER) else None
+    return node.args[1] if node.target in (ALL_REDUCE, REDUCE_SCATTER) else None
 
 
 def _bucket_meta(bucket: Bucket) -> dict:
@@ -245,14 +243,10 @@ def _rewrite_reduce(gm: fx.GraphModule, bucket: Bucket, fake_mode) -> None:
             numels = [x.meta["val"].numel() for x in inputs]
             # Hybrid sharding: the replicas' all-reduce of a reduce-scatter bucket's gradients
             # reads that bucket whole (no concatenation copying it back together).
-            if bucket.unit == STEP_BUCKETS:  # packed where issued, reduced in place: one copy
-                flat = emit(CONCAT, [emit(aten.reshape.default, x, [-1]) for x in inputs])
-                reduce = ALL_REDUCE_IN_PLACE
-            else:
-                flat = _split_source(inputs) or emit(
-                    aten.cat.default, [emit(aten.reshape.default, x, [-1]) for x in inputs])
-                reduce = ALL_REDUCE
-            reduced = emit(WAIT, emit(reduce, flat, _reduce_op(first), group_name))
+            pack = CONCAT if bucket.unit == STEP_BUCKETS else aten.cat.default
+            flat = _split_source(inputs) or emit(
+                pack, [emit(aten.reshape.default, x, [-1]) for x in inputs])
+            reduced = emit(WAIT, emit(ALL_REDUCE, flat, _reduce_op(first), group_name))
             reduced.args[0].meta[meta_keys.GROUP_SIZE] = group_size
         outputs = _views_out(emit, reduced, members, numels)
     _replace_members(gm, members, outputs)

@@ -30,8 +30,8 @@ import torch
 import torch.fx as fx
 
 from graphshard.passes.context import PassContext
-from graphshard.passes.graph_utils import (ALL_REDUCE, ALL_REDUCE_IN_PLACE, FREE_STORAGE, aten,
-                                          finalize_graph, is_collective, is_wait, node_order)
+from graphshard.passes.graph_utils import (ALL_REDUCE, FREE_STORAGE, aten, finalize_graph, is_collective,
+                                          is_wait, node_order)
 from graphshard.passes.liveness import Buffers
 
 
@@ -46,7 +46,7 @@ def free_collective_buffers(gm: fx.GraphModule, ctx: PassContext | None = None) 
     collectives = [n for n in graph.nodes if is_collective(n)]
     kept = set(buffers.inputs)
     kept.update(b for node in graph.output_node().all_input_nodes for b in buffers.owned.get(node, ()))
-    kept.update(b for c in collectives if c.target in (ALL_REDUCE, ALL_REDUCE_IN_PLACE)
+    kept.update(b for c in collectives if c.target is ALL_REDUCE
                 for value in c.all_input_nodes for b in buffers.owned.get(value, ()))
 
     def sharing(b: int) -> set[fx.Node]:

@@ -28,14 +28,10 @@ c10d = torch.ops._c10d_functional
 ALL_GATHER = c10d.all_gather_into_tensor.default
 REDUCE_SCATTER = c10d.reduce_scatter_tensor.default
 ALL_REDUCE = c10d.all_reduce.default
-# in place on a buffer nothing else reads (no_shard's gradient buckets): Inductor lowers the
-# functional all_reduce as a copy of its input, then this
-ALL_REDUCE_IN_PLACE = c10d.all_reduce_.default
 WAIT = c10d.wait_tensor.default
 ALL_TO_ALL = c10d.all_to_all_single.default
 FREE_STORAGE = free_storage_op()  # (tensor, 0): frees the tensor's storage where it runs
-COLLECTIVES = {ALL_GATHER: "all_gather", REDUCE_SCATTER: "reduce_scatter", ALL_REDUCE: "all_reduce",
-               ALL_REDUCE_IN_PLACE: "all_reduce"}
+COLLECTIVES = {ALL_GATHER: "all_gather", REDUCE_SCATTER: "reduce_scatter", ALL_REDUCE: "all_reduce"}
 
 
 def _is_op(node: fx.Node, name: str) -> bool:
@@ -123,7 +119,7 @@ def collective_group(node: fx.Node) -> tuple[str, int]:
         return node.args[2], node.args[1]
     if node.target is REDUCE_SCATTER:
         return node.args[3], node.args[2]
-    if node.target in (ALL_REDUCE, ALL_REDUCE_IN_PLACE):
+    if node.target is ALL_REDUCE:
         return node.args[2], node.meta.get(meta_keys.GROUP_SIZE, 0)
     if is_exchange_with_peers(node) and _transported(node):
         return node.args[2], node.args[1]

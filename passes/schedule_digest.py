@@ -16,9 +16,9 @@ from dataclasses import dataclass
 
 import torch.fx as fx
 
-from graphshard.passes.graph_utils import (ALL_REDUCE, ALL_REDUCE_IN_PLACE, ALL_TO_ALL,
-                                           collective_group, collective_kind, collective_params,
-                                           is_collective, is_exchange_with_peers)
+from graphshard.passes.graph_utils import (ALL_REDUCE, ALL_TO_ALL, collective_group, collective_kind,
+                                           collective_params, is_collective,
+                                           is_exchange_with_peers)
 
 
 @dataclass(frozen=True)
@@ -48,7 +48,7 @@ def _size(node: fx.Node) -> str:
         return "chunk " + "/".join(sorted({str(s) for s in node.args[1]}))  # each pair's
     if is_exchange_with_peers(node):  # the own chunk left out: N - 1 chunks received
         return f"chunk {node.meta['val'].shape[0] // (collective_group(node)[1] - 1)}"
-    if node.target in (ALL_REDUCE, ALL_REDUCE_IN_PLACE):
+    if node.target is ALL_REDUCE:
         return "shard"  # a hybrid replica all-reduce of the rank's shard: sizes differ by replica
     value = node.args[0].meta.get("val")
     return str(value.numel()) if value is not None else "?"

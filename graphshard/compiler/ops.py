@@ -147,7 +147,7 @@ def sum_received(received: torch.Tensor, rows: int, own_buffer: torch.Tensor | N
 def concat(pieces: list[torch.Tensor]) -> torch.Tensor:
     """torch.cat on dim 0, run by ATen, for the buckets whose packing is a plain copy: a gather's
     shards, graph inputs (passes/pack_graph_inputs.py), for which Inductor would generate and
-    compile a kernel per bucket layout; and no_shard's gradient buckets
+    compile a kernel per bucket layout; and a gradient bucket all-reduced whole
     (passes/bucket_collectives.py), which Inductor would have the kernels computing the
     gradients write into, allocating the bucket with its first gradient: backward would hold it
     from there, at the activations' peak, instead of from where it is packed."""
