@@ -134,7 +134,8 @@ def plan_buckets(gm: fx.GraphModule, cap_bytes: float,
     buckets: list[Bucket] = []
     for run in runs:
         # a unit's bucket is cut in packing order; one spanning units, as gradients come
-        members = sorted(run.members, key=order.__getitem__ if run.unit == STEP_BUCKETS else packing_key)
+        cut_key = order.__getitem__ if run.unit == STEP_BUCKETS else packing_key
+        members = sorted(run.members, key=cut_key)
         current = Bucket(run.kind, run.unit)
         for member in members:
             size = unsharded_bytes(member)

@@ -10,9 +10,9 @@ stays out of the exchange: the all-to-all sends the rest of the buffer, a view, 
 sum adds the own chunk from the buffer, so gloo no longer copies it to itself. Which chunk is
 the rank's is looked up when the graph runs (`exchange_with_peers`, and `sum_received` for
 the local sum: compiler/ops.py), so every rank compiles one graph. ATen runs the local sum: a
-generated kernel would be compiled for every bucket size, for a sum over memory. In larger groups the middle
-ranks' own chunks would need a copy to leave out, and they set the step's pace: every rank
-exchanges its whole buffer there.
+generated kernel would be compiled for every bucket size, for a sum over memory. In larger
+groups the middle ranks' own chunks would need a copy to leave out, and they set the step's
+pace: every rank exchanges its whole buffer there.
 
 Runs last, after scheduling: the all-to-all is issued where the reduce-scatter was, and the
 local sum happens where its wait was, so the schedule is unchanged.
