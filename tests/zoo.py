@@ -108,3 +108,9 @@ class TinyGPT(nn.Module):
 
 def gpt_batch(batch: int, seq: int = 8, vocab: int = 13) -> torch.Tensor:
     return torch.randint(0, vocab, (batch, seq), generator=torch.Generator().manual_seed(5))
+
+
+def plain_zoo(seed: int = 5, **kwargs) -> Zoo:
+    """An unsharded Zoo, its weights drawn from `seed`."""
+    torch.manual_seed(seed)
+    return Zoo(**kwargs)
