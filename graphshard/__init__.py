@@ -10,9 +10,10 @@ from graphshard.init import materialize
 from graphshard.policy import MixedPrecisionPolicy, ShardingStrategy
 from graphshard.sharding import is_sharded, shard
 from graphshard.tensor_parallel_plan import parallelize
+from graphshard.tools.plan.apply import AppliedPlan, apply_plan
 
 __all__ = [
     "shard", "is_sharded", "MixedPrecisionPolicy", "ShardingStrategy",
     "no_sync", "set_requires_gradient_sync", "set_requires_all_reduce", "materialize",
-    "apply_activation_checkpointing", "parallelize",
+    "apply_activation_checkpointing", "parallelize", "apply_plan", "AppliedPlan",
 ]

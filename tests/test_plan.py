@@ -11,7 +11,6 @@ import re
 
 import pytest
 import torch.distributed as dist
-from torch.distributed.device_mesh import init_device_mesh
 
 import graphshard
 from graphshard._torch_compat import init_fake_process_group
@@ -80,29 +79,27 @@ def test_micro_batches_accumulate_to_the_global_batch():
     assert planner.shard_group_sizes(64, 8) == [8, 16, 32]
 
 
-def _built_as_planned(config: dict, target: str, **model_args):
-    """The model `config` (a plan JSON's configuration) describes, built as it says, on a fake
-    process group: mesh, TP plan, activation checkpointing, shard()."""
-    shard_kwargs = dict(config["shard"])
-    mesh_shape, names = shard_kwargs.pop("mesh_shape"), shard_kwargs.pop("mesh_dim_names")
-    tp = shard_kwargs.pop("tensor_parallel")
-    GraphshardOptions.from_dict(config["options"])
+def _built_as_planned(plan, target: str, **model_args):
+    """The model `plan` (a plan JSON, or one of its configurations) describes, set up by
+    graphshard.apply_plan on the fake process group: (the model, what apply_plan returned)."""
     model, _, _ = build_model(target, batch=1, seq_len=32, **model_args)
-    graphshard.apply_activation_checkpointing(model, config["activation_checkpointing"])
-    mesh = init_device_mesh("cpu", tuple(mesh_shape), mesh_dim_names=tuple(names))
-    if tp > 1:
-        graphshard.parallelize(model, mesh["tp"])
-        mesh = mesh[tuple(names[:-1])]
-    graphshard.shard(model, mesh, **shard_kwargs)
-    return model
+    applied = graphshard.apply_plan(model, plan)
+    GraphshardOptions.from_dict(applied.options)
+    return model, applied
 
 
 @pytest.mark.slow  # the planner's CLI search
 def test_the_best_configuration_is_accepted_as_it_is(planned):
     init_fake_process_group(16)
     try:
-        model = _built_as_planned(planned["best"], "transformer", dim=64, vocab_size=256)
+        # --json's list: its best configuration, as --out wrote it
+        model, applied = _built_as_planned(planned["all"], "transformer", dim=64, vocab_size=256)
         assert graphshard.is_sharded(model)
+        best = planned["best"]
+        assert applied.mesh.shape == tuple(best["shard"]["mesh_shape"])
+        assert applied.options == best["options"]
+        assert (applied.micro_batch, applied.accumulation_steps) == (
+            best["micro_batch"], best["accumulation_steps"])
     finally:
         dist.destroy_process_group()
 
@@ -135,7 +132,8 @@ def test_the_search_covers_tp_degrees_and_a_tp_configuration_builds_as_written(t
     assert {(c["micro_batch"] * c["accumulation_steps"]) for c in with_tp} == {2}
     init_fake_process_group(8)
     try:
-        model = _built_as_planned(with_tp[0], "llama", **LLAMA_ARGS)
+        model, applied = _built_as_planned(with_tp[0], "llama", **LLAMA_ARGS)
+        assert applied.mesh.mesh_dim_names == ("dp", "tp")
         weight = model.layers[0].attention.wq._parameters["weight"].placements
         assert len(weight) == 2 and weight[1].is_shard(0)
     finally:
@@ -162,17 +160,11 @@ def test_float8_is_searched_priced_at_one_byte_a_gathered_element_and_builds_as_
         assert c["comm_bytes"] < 0.9 * bf16[key(c)]["comm_bytes"], (c, bf16[key(c)])
     init_fake_process_group(8)
     try:
-        from torchao.float8 import Float8LinearConfig, convert_to_float8_training
+        from torchao.float8.float8_linear import Float8Linear
 
-        config = float8[0]
-        model, _, _ = build_model("llama", batch=1, seq_len=32, **LLAMA_ARGS)
-        convert_to_float8_training(model, config=Float8LinearConfig(**config["float8"]["config"]))
-        shard_kwargs = dict(config["shard"])
-        mesh = init_device_mesh("cpu", tuple(shard_kwargs.pop("mesh_shape")),
-                                mesh_dim_names=tuple(shard_kwargs.pop("mesh_dim_names")))
-        shard_kwargs.pop("tensor_parallel")
-        graphshard.shard(model, mesh, **shard_kwargs)
+        model, _ = _built_as_planned(float8[0], "llama", **LLAMA_ARGS)
         assert graphshard.is_sharded(model)
+        assert isinstance(model.layers[0].attention.wq, Float8Linear)
     finally:
         dist.destroy_process_group()
 

@@ -28,10 +28,11 @@ and 5 blocks and extrapolated linearly to its depth (blocks repeat: so do their 
 `depth_probes` for why not fewer); others are captured whole.
 
 Output: a ranked table (fitting configurations first, fastest first; memory in the unit that
-fits, MiB below 1 GiB), the best configuration as JSON (`--out`): {"shard": keyword arguments
-for graphshard.shard plus "mesh_shape", "options": for torch.compile(..., backend="graphshard",
-options=...), "activation_checkpointing": graphshard.apply_activation_checkpointing's mode,
-"micro_batch", "accumulation_steps"}; `--json` every configuration tried (a list under
+fits, MiB below 1 GiB), the best configuration as JSON (`--out`), which graphshard.apply_plan
+applies: {"shard": keyword arguments for graphshard.shard plus "mesh_shape", "mesh_dim_names"
+and "tensor_parallel", "options": for torch.compile(..., backend="graphshard", options=...),
+"activation_checkpointing": graphshard.apply_activation_checkpointing's mode, "micro_batch",
+"accumulation_steps"}; `--json` every configuration tried (a list under
 "configs", best first); `--trace` a Chrome trace of the best configuration's simulated step (of
 the captured graphs: the 5-block probe when extrapolated). Bad input exits with status 2 and one
 line on stderr.

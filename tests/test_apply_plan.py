@@ -1,0 +1,72 @@
+"""graphshard.apply_plan on a fake process group: a configuration of `graphshard plan` (its
+JSON) sets the model up as it says, and a plan for another job is a clear error. The planner's
+own output is applied in tests/test_plan.py (TP, float8, its best configuration)."""
+
+from __future__ import annotations
+
+import functools
+import json
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch.distributed.tensor import DTensor
+
+import graphshard
+from graphshard.tools.models import build_model
+
+HYBRID = {"shard": {"strategy": "hybrid_shard", "mesh_shape": [2, 4],
+                    "mesh_dim_names": ["replicate", "shard"], "tensor_parallel": 1,
+                    "param_dtype": "bfloat16", "reduce_dtype": "float32"},
+          "options": {"prefetch": 2, "bucket_mb": 25.0},
+          "activation_checkpointing": "full", "micro_batch": 2, "accumulation_steps": 3,
+          "fits": True}
+
+
+def _model():
+    model, _, _ = build_model("transformer", dim=32, n_layers=2, vocab_size=64)
+    return model
+
+
+@pytest.mark.parametrize("fake_pg", [8], indirect=True)
+def test_a_hybrid_plan_read_from_its_file_sets_the_model_up_as_it_says(fake_pg, tmp_path):
+    path = tmp_path / "best.json"
+    path.write_text(json.dumps(HYBRID))
+    model = _model()
+    applied = graphshard.apply_plan(model, str(path))
+    assert (applied.options, applied.micro_batch, applied.accumulation_steps) == (
+        {"prefetch": 2, "bucket_mb": 25.0}, 2, 3)
+    assert applied.mesh.mesh_dim_names == ("replicate", "shard") and applied.mesh.shape == (2, 4)
+    weight = model.layers[0].attention.wq._parameters["weight"]
+    assert isinstance(weight, DTensor) and weight.device_mesh == applied.mesh
+    assert weight.placements[0].is_replicate() and weight.placements[1].is_shard(0)
+    assert isinstance(model.layers[0].forward, functools.partial)  # checkpointed blocks
+    # bf16 compute: the weight a forward reads
+    assert model.layers[0].attention.wq.weight.dtype == torch.bfloat16
+
+
+def test_a_plan_for_another_job_is_a_clear_error(fake_pg, tmp_path):
+    plan = {**HYBRID, "shard": {**HYBRID["shard"], "mesh_shape": [4, 4]}}
+    with pytest.raises(ValueError, match=r"the plan is for 16 devices .* this job has 8 ranks: "
+                                         r"plan again with --devices 8"):
+        graphshard.apply_plan(_model(), plan)
+    missing = {key: value for key, value in HYBRID.items() if key != "micro_batch"}
+    with pytest.raises(ValueError, match="has no 'micro_batch'"):
+        graphshard.apply_plan(_model(), missing)
+    with pytest.raises(ValueError, match=r"not a configuration of `graphshard plan` \(no 'shard'\)"):
+        graphshard.apply_plan(_model(), {"options": {}})
+    with pytest.raises(ValueError, match="lists no configuration"):
+        graphshard.apply_plan(_model(), {"configs": []})
+    with pytest.raises(ValueError, match="does not fit in memory"):
+        graphshard.apply_plan(_model(), {**HYBRID, "fits": False, "why": "over by 2 GiB"})
+    (tmp_path / "bad.json").write_text("{")
+    with pytest.raises(ValueError, match="cannot read the plan"):
+        graphshard.apply_plan(_model(), tmp_path / "bad.json")
+    model = _model()
+    assert not graphshard.is_sharded(model)
+
+
+def test_apply_plan_needs_a_process_group():
+    assert not dist.is_initialized()
+    with pytest.raises(RuntimeError, match="init_process_group"):
+        graphshard.apply_plan(_model(), HYBRID)
