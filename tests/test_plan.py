@@ -108,11 +108,12 @@ LLAMA_ARGS = {"dim": 64, "n_layers": 2, "n_heads": 4, "n_kv_heads": 2, "vocab_si
               "ffn_hidden": 128}
 
 
-def _plan_small_llama(tmp_path, dtypes: str, tp: str) -> tuple[list[dict], str]:
+def _plan_small_llama(tmp_path, dtypes: str, tp: str, quiet: bool = True
+                      ) -> tuple[list[dict], str]:
     """The planner's CLI on the small Llama, 8 H100s: (every configuration, the printed table)."""
     argv = ["llama", "--model-args", ",".join(f"{k}={v}" for k, v in LLAMA_ARGS.items()),
             "--seq", "32", "--devices", "8", "--cluster", "h100", "--global-batch", "8",
-            "--ac", "none", "--dtypes", dtypes, "--tp", tp, "--quiet",
+            "--ac", "none", "--dtypes", dtypes, "--tp", tp, *(["--quiet"] if quiet else []),
             "--json", str(tmp_path / "all.json"), "--out", str(tmp_path / "best.json")]
     printed = io.StringIO()
     with contextlib.redirect_stdout(printed):
@@ -121,9 +122,13 @@ def _plan_small_llama(tmp_path, dtypes: str, tp: str) -> tuple[list[dict], str]:
 
 
 @pytest.mark.slow  # whole searches
-def test_the_search_covers_tp_degrees_and_a_tp_configuration_builds_as_written(tmp_path):
-    configs, printed = _plan_small_llama(tmp_path, "bf16", "1,2,4")
-    # tp 4 would cut the 2 KV heads: skipped; tp 2 runs over 4 data-parallel ranks
+def test_the_search_covers_tp_degrees_and_a_tp_configuration_builds_as_written(tmp_path,
+                                                                               capsys):
+    configs, printed = _plan_small_llama(tmp_path, "bf16", "1,2,4", quiet=False)
+    # tp 4 would cut the 2 KV heads: skipped (said once, however many layouts it skips); tp 2
+    # runs over 4 data-parallel ranks
+    progress = capsys.readouterr().err
+    assert progress.count("skipped: ") == 1 and "layouts skipped in all" in progress, progress
     assert {c["shard"]["tensor_parallel"] for c in configs} == {1, 2}
     with_tp = [c for c in configs if c["shard"]["tensor_parallel"] == 2]
     assert {tuple(c["shard"]["mesh_shape"]) for c in with_tp} == {(4, 2)}

@@ -128,7 +128,8 @@ def plan(target: str, devices: int, cluster, global_batch: int, seq: int, *,
             done = f"[{time.perf_counter() - started:5.1f} s] layout {captures[0]}"
             unsplittable = next((c for c in captured if isinstance(c, str)), None)
             if unsplittable is not None:
-                progress(f"{done} skipped: {unsplittable}")
+                if unsplittable not in skipped:  # each reason once (it repeats per layout)
+                    progress(f"{done} skipped: {unsplittable}")
                 skipped.append(unsplittable)
                 continue
             progress(f"{done} done: {layout}")
@@ -165,6 +166,8 @@ def plan(target: str, devices: int, cluster, global_batch: int, seq: int, *,
                      f"layouts they outran: up to {len(second)} layouts ({len(hybrid) - len(second)} "
                      "left out; --exhaustive tries them all)")
             evaluate(by_compute_floor(second, configs))
+    if len(skipped) > len(set(skipped)):
+        progress(f"{len(skipped)} layouts skipped in all, for the reason(s) above")
     if not configs:
         raise PlanError(f"{target}: no layout could be captured: {skipped[0]}")
     configs.sort(key=_best_first)
