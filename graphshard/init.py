@@ -18,6 +18,8 @@ unsharded model built with that seed (same module order, same RNG draws), which 
 
 from __future__ import annotations
 
+import math
+import warnings
 from typing import Callable
 
 import torch
@@ -41,9 +43,9 @@ def materialize(model: nn.Module, device: str | torch.device = "cpu",
     `device`, initialised by each module's `reset_parameters()` or by `init_fn(module)`, which
     is called on every module that directly owns parameters or buffers. Returns `model`.
 
-    Parameters of modules without `reset_parameters` (and no `init_fn`) are left uninitialised
-    (torch.empty), as with `nn.Module.to_empty`; buffers computed in `__init__` must be
-    recomputed by `init_fn`.
+    What the initialisation leaves unwritten (a module without `reset_parameters` and no
+    `init_fn`; a buffer computed in `__init__`, which `init_fn` must recompute) holds NaN, not
+    whatever memory held, and a warning names it: load weights into it, or pass `init_fn`.
     """
     state = shard_state(model)
     device = torch.device(device)
@@ -61,11 +63,17 @@ def materialize(model: nn.Module, device: str | torch.device = "cpu",
     full_of: dict[int, nn.Parameter] = {}  # id(sharded param) -> full plain parameter
     sharded_of: dict[int, nn.Parameter] = {}  # id(old sharded param) -> new sharded param
     owners: dict[int, list[tuple[nn.Module, str]]] = {}
+    module_names = {id(m): name for name, m in model.named_modules()}
+    unwritten: list[str] = []
+
+    def where(module: nn.Module, name: str) -> str:
+        return f"{module_names[id(module)]}.{name}".lstrip(".")
 
     for module in modules:
-        for name, buf in module._buffers.items():
-            if buf is not None and buf.is_meta:
-                module._buffers[name] = torch.empty_like(buf, device=device)
+        new_buffers = [name for name, buf in module._buffers.items()
+                       if buf is not None and buf.is_meta]
+        for name in new_buffers:
+            module._buffers[name] = _unwritten(module._buffers[name], device)
         record = module_shards(module)
         specs = record.specs if record is not None else {}
         originals = dict(module._parameters)
@@ -73,9 +81,8 @@ def materialize(model: nn.Module, device: str | torch.device = "cpu",
             if param is None or not param.is_meta:
                 continue
             if id(param) not in full_of:
-                full_of[id(param)] = nn.Parameter(
-                    torch.empty(param.shape, dtype=param.dtype, device=device),
-                    requires_grad=param.requires_grad)
+                full_of[id(param)] = nn.Parameter(_unwritten(param, device),
+                                                  requires_grad=param.requires_grad)
             owners.setdefault(id(param), []).append((module, name))
             module._parameters[name] = full_of[id(param)]
         # The sharded class's properties would return a fresh gathered tensor, so in-place
@@ -87,18 +94,46 @@ def materialize(model: nn.Module, device: str | torch.device = "cpu",
                 init_fn(module)
         finally:
             module.__class__ = sharded_cls
+        unwritten += [where(module, name) for name in new_buffers
+                      if _holds_nan(module._buffers[name])]
         for name, param in originals.items():
             if param is None or not param.is_meta:
                 continue
             module._parameters[name] = param  # back to the sharded one until it is replaced
             remaining[id(param)] -= 1
             if remaining[id(param)] == 0:
-                sharded_of[id(param)] = _shard_of(full_of.pop(id(param)), param, specs[name],
-                                                  state.mesh)
+                full = full_of.pop(id(param))
+                if _holds_nan(full):
+                    unwritten.append(where(module, name))
+                sharded_of[id(param)] = _shard_of(full, param, specs[name], state.mesh)
                 for owner, owner_name in owners.pop(id(param)):
                     owner._parameters[owner_name] = sharded_of[id(param)]
     bind_local_shards(model)
+    if unwritten:  # every rank runs the same initialisation: every rank warns alike
+        shown = ", ".join(unwritten[:8]) + (f" and {len(unwritten) - 8} more"
+                                             if len(unwritten) > 8 else "")
+        warnings.warn(f"graphshard.materialize: {len(unwritten)} parameter(s) or buffer(s) were "
+                      f"not initialised and hold NaN: {shown} (their modules have no "
+                      "reset_parameters, or init_fn left them unwritten). Load weights into them "
+                      "(checkpoint.load, load_state_dict), or pass init_fn= (a Hugging Face "
+                      "model: init_fn=model._init_weights)", stacklevel=2)
     return model
+
+
+def _unwritten(meta: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """A tensor of `meta`'s shape and dtype on `device`, NaN where the dtype has it: what an
+    initialisation leaves unwritten shows (torch.empty could hold anything)."""
+    if meta.is_floating_point() or meta.is_complex():
+        return torch.full(meta.shape, math.nan, dtype=meta.dtype, device=device)
+    return torch.empty(meta.shape, dtype=meta.dtype, device=device)
+
+
+def _holds_nan(tensor: torch.Tensor) -> bool:
+    """Whether any element is NaN, without a temporary of the tensor's size (a sum propagates
+    NaN; in float64 nothing an initialisation writes overflows)."""
+    if tensor.is_complex():
+        return bool(torch.sum(tensor, dtype=torch.complex128).isnan())
+    return tensor.is_floating_point() and bool(torch.sum(tensor, dtype=torch.float64).isnan())
 
 
 def _shard_of(full: nn.Parameter, old: nn.Parameter, spec, mesh) -> nn.Parameter:

@@ -3,6 +3,8 @@ the modules' own reset_parameters; then train a model larger than a per-rank bud
 
 from __future__ import annotations
 
+import warnings
+
 import pytest
 import torch
 from torch.distributed._tools.mem_tracker import MemTracker
@@ -103,3 +105,45 @@ def test_trains_beyond_per_rank_budget(results):
         budget = BUDGET_FRACTION * r["unsharded"]
         assert r["local"] + r["grad"] + r["opt"] < budget, (r["local"], r["grad"], r["opt"], budget)
         assert r["losses"][-1] < r["losses"][0]
+
+
+class _NoReset(torch.nn.Module):
+    """A module without reset_parameters (an RMSNorm's shape), with a buffer its __init__
+    computes (a rotary table's)."""
+
+    def __init__(self, dim: int):
+        super().__init__()
+        self.weight = torch.nn.Parameter(torch.ones(dim))
+        self.register_buffer("table", torch.arange(dim, dtype=torch.float32), persistent=False)
+
+    def forward(self, x):
+        return x * self.weight + self.table
+
+
+def _meta_model() -> torch.nn.Module:
+    with torch.device("meta"):
+        return graphshard.shard(torch.nn.Sequential(torch.nn.Linear(8, 8), _NoReset(8)))
+
+
+@pytest.mark.parametrize("fake_pg", [2], indirect=True)
+def test_what_materialize_leaves_uninitialised_is_nan_and_named(fake_pg):
+    model = _meta_model()
+    with pytest.warns(UserWarning, match=r"2 parameter\(s\) or buffer\(s\) were not initialised "
+                      r"and hold NaN: 1\.table, 1\.weight .*pass init_fn="):
+        graphshard.materialize(model)
+    assert model[0]._parameters["weight"].to_local().isfinite().all()  # reset_parameters ran
+    assert model[1]._parameters["weight"].to_local().isnan().all() and model[1].table.isnan().all()
+
+    def init(module):
+        if isinstance(module, _NoReset):
+            module.weight.fill_(1.0)
+            module.table.copy_(torch.arange(8.0))
+        else:
+            module.reset_parameters()
+
+    model = _meta_model()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # everything written: no warning
+        graphshard.materialize(model, init_fn=init)
+    assert torch.equal(model[1].table, torch.arange(8.0))
+    assert (model[1]._parameters["weight"].to_local() == 1).all()
