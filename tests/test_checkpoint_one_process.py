@@ -157,8 +157,9 @@ def test_load_pretrained_bad_input(hf, tmp_path):
     two.mkdir()
     for name in ("a.safetensors", "b.safetensors"):
         shutil.copy(tmp_path / "zoo.safetensors", two / name)
-    for bad, match in [(tmp_path / "nope", "does not exist"),
-                       (tmp_path / "model.bin", "pickle checkpoint"),
+    with pytest.raises(checkpoint.CheckpointNotFoundError, match="does not exist"):
+        checkpoint.load_pretrained(plain_zoo(), tmp_path / "nope")  # as checkpoint.load says it
+    for bad, match in [(tmp_path / "model.bin", "pickle checkpoint"),
                        (two, r"cannot tell which weights .*\(a.safetensors, b.safetensors\)")]:
         with pytest.raises(checkpoint.CheckpointError, match=match):
             checkpoint.load_pretrained(plain_zoo(), bad)

@@ -18,7 +18,7 @@ from graphshard import safetensors_io as st
 from graphshard._torch_compat import non_persistent_buffer_names
 from graphshard._transformers import is_transformers_model
 from graphshard.checkpoint.agreement import agree
-from graphshard.checkpoint.errors import CheckpointError, raise_if_unfit
+from graphshard.checkpoint.errors import CheckpointError, CheckpointNotFoundError, raise_if_unfit
 from graphshard.checkpoint.state_dict import unwrap
 from graphshard.checkpoint.transformers_models import (
     buffer_initialiser,
@@ -252,6 +252,8 @@ def load_pretrained(model: nn.Module, path: str | os.PathLike, *,
     plan: list[tuple[_Target, str]] = []
     tensors: dict[str, st.TensorInfo] = {}
     try:
+        if not path.exists():  # as checkpoint.load says it: except CheckpointNotFoundError
+            raise CheckpointNotFoundError(f"no checkpoint at {path}: the path does not exist")
         tensors = st.resolve(path)
         plan = _pretrained_plan(model, tensors, path, init_fn)
     except (CheckpointError, st.SafetensorsError, OSError) as exc:
