@@ -26,6 +26,7 @@ import torch
 import torch.nn as nn
 from torch.distributed.tensor import DTensor
 
+from graphshard._torch_compat import version_counter
 from graphshard.runtime.parts import this_rank_part
 from graphshard.sharding import bind_local_shards
 from graphshard.state import module_shards, plain_class, shard_state
@@ -44,8 +45,9 @@ def materialize(model: nn.Module, device: str | torch.device = "cpu",
     is called on every module that directly owns parameters or buffers. Returns `model`.
 
     What the initialisation leaves unwritten (a module without `reset_parameters` and no
-    `init_fn`; a buffer computed in `__init__`, which `init_fn` must recompute) holds NaN, not
-    whatever memory held, and a warning names it: load weights into it, or pass `init_fn`.
+    `init_fn`; a buffer computed in `__init__`, which `init_fn` must recompute) holds NaN (zeros
+    in an integer or bool tensor), not whatever memory held, and a warning names it: load
+    weights into it, or pass `init_fn`.
     """
     state = shard_state(model)
     device = torch.device(device)
@@ -64,16 +66,25 @@ def materialize(model: nn.Module, device: str | torch.device = "cpu",
     sharded_of: dict[int, nn.Parameter] = {}  # id(old sharded param) -> new sharded param
     owners: dict[int, list[tuple[nn.Module, str]]] = {}
     module_names = {id(m): name for name, m in model.named_modules()}
+    allocated_at: dict[int, int] = {}  # id(new full tensor) -> its version when allocated
     unwritten: list[str] = []
+
+    def allocate(meta: torch.Tensor, wrap=lambda t: t) -> torch.Tensor:
+        tensor = wrap(_unwritten(meta, device))
+        allocated_at[id(tensor)] = version_counter(tensor)
+        return tensor
+
+    def written(allocated: torch.Tensor, now: torch.Tensor | None) -> bool:
+        """Whether init wrote `allocated` in place or put another tensor (or none) there."""
+        return now is not allocated or version_counter(now) != allocated_at[id(allocated)]
 
     def where(module: nn.Module, name: str) -> str:
         return f"{module_names[id(module)]}.{name}".lstrip(".")
 
     for module in modules:
-        new_buffers = [name for name, buf in module._buffers.items()
-                       if buf is not None and buf.is_meta]
-        for name in new_buffers:
-            module._buffers[name] = _unwritten(module._buffers[name], device)
+        new_buffers = {name: allocate(buf) for name, buf in module._buffers.items()
+                       if buf is not None and buf.is_meta}
+        module._buffers.update(new_buffers)
         record = module_shards(module)
         specs = record.specs if record is not None else {}
         originals = dict(module._parameters)
@@ -81,8 +92,8 @@ def materialize(model: nn.Module, device: str | torch.device = "cpu",
             if param is None or not param.is_meta:
                 continue
             if id(param) not in full_of:
-                full_of[id(param)] = nn.Parameter(_unwritten(param, device),
-                                                  requires_grad=param.requires_grad)
+                full_of[id(param)] = allocate(param, lambda t: nn.Parameter(
+                    t, requires_grad=param.requires_grad))
             owners.setdefault(id(param), []).append((module, name))
             module._parameters[name] = full_of[id(param)]
         # The sharded class's properties would return a fresh gathered tensor, so in-place
@@ -94,8 +105,8 @@ def materialize(model: nn.Module, device: str | torch.device = "cpu",
                 init_fn(module)
         finally:
             module.__class__ = sharded_cls
-        unwritten += [where(module, name) for name in new_buffers
-                      if _holds_nan(module._buffers[name])]
+        unwritten += [where(module, name) for name, buf in new_buffers.items()
+                      if not written(buf, module._buffers.get(name))]
         for name, param in originals.items():
             if param is None or not param.is_meta:
                 continue
@@ -103,7 +114,7 @@ def materialize(model: nn.Module, device: str | torch.device = "cpu",
             remaining[id(param)] -= 1
             if remaining[id(param)] == 0:
                 full = full_of.pop(id(param))
-                if _holds_nan(full):
+                if not written(full, full):
                     unwritten.append(where(module, name))
                 sharded_of[id(param)] = _shard_of(full, param, specs[name], state.mesh)
                 for owner, owner_name in owners.pop(id(param)):
@@ -113,7 +124,7 @@ def materialize(model: nn.Module, device: str | torch.device = "cpu",
         shown = ", ".join(unwritten[:8]) + (f" and {len(unwritten) - 8} more"
                                              if len(unwritten) > 8 else "")
         warnings.warn(f"graphshard.materialize: {len(unwritten)} parameter(s) or buffer(s) were "
-                      f"not initialised and hold NaN: {shown} (their modules have no "
+                      f"not initialised and hold NaN (integers: zeros): {shown} (their modules have no "
                       "reset_parameters, or init_fn left them unwritten). Load weights into them "
                       "(checkpoint.load, load_state_dict), or pass init_fn= (a Hugging Face "
                       "model: init_fn=model._init_weights)", stacklevel=2)
@@ -121,19 +132,12 @@ def materialize(model: nn.Module, device: str | torch.device = "cpu",
 
 
 def _unwritten(meta: torch.Tensor, device: torch.device) -> torch.Tensor:
-    """A tensor of `meta`'s shape and dtype on `device`, NaN where the dtype has it: what an
-    initialisation leaves unwritten shows (torch.empty could hold anything)."""
+    """A tensor of `meta`'s shape and dtype on `device`, NaN where the dtype has one (what an
+    initialisation leaves unwritten shows), else zeros (alike on every rank; torch.empty could
+    hold anything)."""
     if meta.is_floating_point() or meta.is_complex():
         return torch.full(meta.shape, math.nan, dtype=meta.dtype, device=device)
-    return torch.empty(meta.shape, dtype=meta.dtype, device=device)
-
-
-def _holds_nan(tensor: torch.Tensor) -> bool:
-    """Whether any element is NaN, without a temporary of the tensor's size (a sum propagates
-    NaN; in float64 nothing an initialisation writes overflows)."""
-    if tensor.is_complex():
-        return bool(torch.sum(tensor, dtype=torch.complex128).isnan())
-    return tensor.is_floating_point() and bool(torch.sum(tensor, dtype=torch.float64).isnan())
+    return torch.zeros(meta.shape, dtype=meta.dtype, device=device)
 
 
 def _shard_of(full: nn.Parameter, old: nn.Parameter, spec, mesh) -> nn.Parameter:

@@ -140,6 +140,26 @@ def _check_dense_gradients(model: nn.Module) -> None:
                 "with sparse=False (the default) or freeze its weight before sharding")
 
 
+def model_device_type(model: nn.Module) -> str:
+    """The device type of a mesh over `model`'s parameters (a meta model's: "cuda" where there
+    is a GPU, else "cpu")."""
+    return _device_type(list(_named_param_slots(model)))
+
+
+def _device_type(slots) -> str:
+    devices = {param.device for *_, param in slots}
+    if len(devices) > 1:
+        where = {str(d): next(f for _, _, f, p in slots if p.device == d) for d in devices}
+        raise ValueError(
+            f"parameters are on different devices ({where}); move the model to one device "
+            "(e.g. model.to('cuda')) or build it on the meta device before sharding"
+        )
+    device_type = next(iter(devices)).type if devices else "cpu"
+    if device_type == "meta":
+        device_type = "cuda" if torch.cuda.is_available() else "cpu"
+    return device_type
+
+
 def shard(
     model: nn.Module,
     mesh: DeviceMesh | None = None,
@@ -173,16 +193,7 @@ def shard(
     slots = list(_named_param_slots(model))
     _check_not_sharded_twice(model, slots)
     _check_dense_gradients(model)
-    devices = {param.device for *_, param in slots}
-    if len(devices) > 1:
-        where = {str(d): next(f for _, _, f, p in slots if p.device == d) for d in devices}
-        raise ValueError(
-            f"parameters are on different devices ({where}); move the model to one device "
-            "(e.g. model.to('cuda')) or build it on the meta device before sharding"
-        )
-    device_type = next(iter(devices)).type if devices else "cpu"
-    if device_type == "meta":
-        device_type = "cuda" if torch.cuda.is_available() else "cpu"
+    device_type = _device_type(slots)
     if mesh is None:
         mesh = _default_mesh(device_type, strategy)
     if mesh.get_coordinate() is None:  # torch would fail later, in DeviceMesh.get_group

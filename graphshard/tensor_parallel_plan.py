@@ -42,13 +42,7 @@ def parallelize(model: nn.Module, tp_mesh: DeviceMesh,
             f"graphshard.parallelize: the TP mesh must be one named dimension of a mesh, e.g. "
             f"mesh['tp'] of init_device_mesh(device, (dp, tp), mesh_dim_names=('dp', 'tp')); "
             f"got a {tp_mesh.ndim}-D mesh with names {tp_mesh.mesh_dim_names}")
-    plan = dict(model_tp_plan(model) if plan is None else plan)
-    if not plan:
-        raise ValueError(
-            f"graphshard.parallelize: {type(model).__name__} has no tensor-parallel plan (no "
-            "Hugging Face base_model_tp_plan, no tp_plan attribute): pass plan={'module.name': "
-            "'colwise' | 'rowwise' | ColwiseParallel() | ..., ...}")
-    _check_heads_divide(model, tp_mesh.size())
+    plan = check_tensor_parallel(model, tp_mesh.size(), plan)
     names = [name for name, _ in model.named_modules() if name]
     styles = {}
     for pattern, style in plan.items():
@@ -62,6 +56,20 @@ def parallelize(model: nn.Module, tp_mesh: DeviceMesh,
     parallelize_module(model, tp_mesh, styles)
     _check_still_tied(model, tied)
     return model
+
+
+def check_tensor_parallel(model: nn.Module, tp: int,
+                          plan: Mapping[str, str | ParallelStyle] | None = None) -> dict:
+    """What parallelize refuses before it changes anything: no plan, or a degree `tp` that
+    splits attention heads. Returns the plan (default: the model's own)."""
+    plan = dict(model_tp_plan(model) if plan is None else plan)
+    if not plan:
+        raise ValueError(
+            f"graphshard.parallelize: {type(model).__name__} has no tensor-parallel plan (no "
+            "Hugging Face base_model_tp_plan, no tp_plan attribute): pass plan={'module.name': "
+            "'colwise' | 'rowwise' | ColwiseParallel() | ..., ...}")
+    _check_heads_divide(model, tp)
+    return plan
 
 
 def _tied_names(model: nn.Module) -> list[list[str]]:

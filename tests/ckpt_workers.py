@@ -486,35 +486,3 @@ def assert_state_close(actual: dict, expected: dict) -> None:
     assert list(actual) == list(expected)
     for name in expected:
         torch.testing.assert_close(actual[name], expected[name], **TOL, msg=name)
-
-
-def tiny_llama(tied: bool, seed: int = 0) -> torch.nn.Module:
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    config = LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64,
-                         num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-                         max_position_embeddings=32, tie_word_embeddings=tied)
-    torch.manual_seed(seed)
-    return LlamaForCausalLM(config)
-
-
-def pretrained_llamas(root: Path) -> dict[str, Any]:
-    """Tiny Hugging Face Llamas saved with save_pretrained under `root` (tied embeddings in one
-    file; untied, sharded with an index), and the unsharded originals' outputs and first step."""
-    tokens = torch.randint(0, 64, (6, 8), generator=torch.Generator().manual_seed(3))
-
-    def saved(path: Path, tied: bool, max_shard_size: str) -> dict[str, Any]:
-        model = tiny_llama(tied)
-        model.save_pretrained(path, max_shard_size=max_shard_size)
-        with torch.no_grad():
-            logits = model(tokens).logits
-        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
-        loss = model(input_ids=tokens, labels=tokens).loss
-        loss.backward()
-        grads = {n: p.grad.clone() for n, p in model.named_parameters()}
-        optimizer.step()
-        return {"path": path, "logits": logits, "loss": loss.item(), "grads": grads,
-                "after_step": {k: v.clone() for k, v in model.state_dict().items()}}
-
-    return {"tokens": tokens, "tied": saved(root / "tied", True, "5GB"),
-            "untied": saved(root / "untied", False, "30KB")}

@@ -281,7 +281,7 @@ def _copy_checks(strategy: str, tokens: torch.Tensor, rank: int, directory: str)
     again = torch.load(buffer, weights_only=False)
     result["reloaded_leaves_bound"] = _leaves_bound(again)
     result["reloaded_step"] = _eager_step(again, tokens)
-    # For a fresh process (tests/test_everyday.py::reload_checks): this rank's pickle, expectations
+    # For a fresh process (reload_checks, below): this rank's pickle, expectations
     torch.save({"model": model, "step": result["step"]},
                os.path.join(directory, f"{strategy}-rank{rank}.pt"))
     return result

@@ -62,8 +62,56 @@ def test_a_plan_for_another_job_is_a_clear_error(fake_pg, tmp_path):
     (tmp_path / "bad.json").write_text("{")
     with pytest.raises(ValueError, match="cannot read the plan"):
         graphshard.apply_plan(_model(), tmp_path / "bad.json")
+
+
+@pytest.mark.parametrize("fake_pg", [8], indirect=True)
+@pytest.mark.parametrize("change, match", [
+    ({"shard": {**HYBRID["shard"], "mesh_dim_names": ["replicate", "tp"]}},
+     r"dims \['replicate', 'tp'\] does not fit strategy 'hybrid_shard' with tensor_parallel 1"),
+    ({"shard": {**HYBRID["shard"], "tensor_parallel": 2}}, "does not fit strategy"),
+    ({"shard": {**HYBRID["shard"], "bucket_mb": 4}}, r"shard arguments \['bucket_mb'\] are not"),
+    ({"shard": {**HYBRID["shard"], "param_dtype": "bfloat17"}}, "bfloat17"),
+    ({"activation_checkpointing": "most"}, "activation_checkpointing 'most' is not one of"),
+    ({"options": {"prefetch": 2, "bucket": 1}}, r"unknown graphshard option\(s\) \['bucket'\]"),
+    ({"micro_batch": 0}, "must be positive integers"),
+])
+def test_a_plan_graphshard_would_refuse_leaves_the_model_as_it_was(fake_pg, change, match):
     model = _model()
+    forward = model.layers[0].forward
+    with pytest.raises(ValueError, match=match):
+        graphshard.apply_plan(model, {**HYBRID, **change})
     assert not graphshard.is_sharded(model)
+    assert model.layers[0].forward == forward  # not checkpointed either
+
+
+@pytest.mark.parametrize("fake_pg", [8], indirect=True)
+def test_a_tp_degree_the_heads_refuse_leaves_a_float8_model_unconverted(fake_pg):
+    plan = {**HYBRID, "shard": {**HYBRID["shard"], "mesh_shape": [1, 2, 4],
+                                "mesh_dim_names": ["replicate", "shard", "tp"],
+                                "tensor_parallel": 4},
+            "float8": {"config": {"enable_fsdp_float8_all_gather": True}}}
+    model, _, _ = build_model("llama", dim=64, n_layers=2, n_heads=4, n_kv_heads=2,
+                              vocab_size=64, ffn_hidden=128)
+    with pytest.raises(ValueError, match=r"TP degree 4 does not divide the model's head counts"):
+        graphshard.apply_plan(model, plan)
+    assert type(model.layers[0].attention.wq) is torch.nn.Linear  # not converted to float8
+    assert not graphshard.is_sharded(model)
+
+
+@pytest.mark.parametrize("fake_pg", [8], indirect=True)
+def test_hybrid_shard_with_tensor_parallelism_lays_out_a_3d_mesh(fake_pg):
+    plan = {**HYBRID, "shard": {**HYBRID["shard"], "mesh_shape": [2, 2, 2],
+                                "mesh_dim_names": ["replicate", "shard", "tp"],
+                                "tensor_parallel": 2}}
+    model, _, _ = build_model("llama", dim=64, n_layers=2, n_heads=4, n_kv_heads=2,
+                              vocab_size=64, ffn_hidden=128)
+    applied = graphshard.apply_plan(model, plan)
+    assert applied.mesh.mesh_dim_names == ("replicate", "shard", "tp")
+    weight = model.layers[0].attention.wq._parameters["weight"]  # colwise on tp, then sharded
+    assert weight.device_mesh.mesh_dim_names == ("replicate", "shard", "tp")
+    assert weight.placements[0].is_replicate() and weight.placements[2].is_shard(0)
+    norm = model.layers[0].attention_norm._parameters["weight"]  # not in the TP plan
+    assert norm.placements[1].is_shard(0) and norm.placements[2].is_replicate()
 
 
 def test_apply_plan_needs_a_process_group():

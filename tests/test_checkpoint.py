@@ -22,7 +22,7 @@ import ckpt_workers as workers
 from graphshard import checkpoint
 from graphshard.tools.cli import main as cli_main
 from graphshard.tools.launch import run_local
-from zoo import Zoo, plain_zoo
+from zoo import Zoo, plain_zoo, pretrained_llamas
 
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")
 TOL = workers.TOL
@@ -53,7 +53,7 @@ BIG_LAYERS, BIG_DIM = 32, 1024
 def hf(tmp_path_factory):
     """Tiny Hugging Face Llamas saved with save_pretrained, and the originals' outputs and first
     step (transformers is a test dependency)."""
-    return workers.pretrained_llamas(tmp_path_factory.mktemp("hf"))
+    return pretrained_llamas(tmp_path_factory.mktemp("hf"))
 
 
 @pytest.fixture(scope="module")

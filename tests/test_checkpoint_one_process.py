@@ -12,11 +12,11 @@ import torch
 import torch.nn as nn
 
 import ckpt_workers as workers
-from ckpt_workers import TOL, assert_state_close, tiny_llama
+from ckpt_workers import TOL, assert_state_close
 from graphshard import checkpoint
 from graphshard.tools.cli import main as cli_main
 from graphshard.tools.launch import run_local
-from zoo import plain_zoo, zoo_batch, zoo_loss
+from zoo import plain_zoo, pretrained_llamas, tiny_llama, zoo_batch, zoo_loss
 
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")
 
@@ -24,7 +24,7 @@ pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")
 @pytest.fixture(scope="module")
 def hf(tmp_path_factory):
     """Tiny Hugging Face Llamas saved with save_pretrained (transformers is a test dependency)."""
-    return workers.pretrained_llamas(tmp_path_factory.mktemp("hf"))
+    return pretrained_llamas(tmp_path_factory.mktemp("hf"))
 
 
 # --------------------------------------------------------------------------- saves and loads

@@ -115,6 +115,7 @@ class _NoReset(torch.nn.Module):
         super().__init__()
         self.weight = torch.nn.Parameter(torch.ones(dim))
         self.register_buffer("table", torch.arange(dim, dtype=torch.float32), persistent=False)
+        self.register_buffer("positions", torch.arange(dim), persistent=False)
 
     def forward(self, x):
         return x * self.weight + self.table
@@ -128,16 +129,19 @@ def _meta_model() -> torch.nn.Module:
 @pytest.mark.parametrize("fake_pg", [2], indirect=True)
 def test_what_materialize_leaves_uninitialised_is_nan_and_named(fake_pg):
     model = _meta_model()
-    with pytest.warns(UserWarning, match=r"2 parameter\(s\) or buffer\(s\) were not initialised "
-                      r"and hold NaN: 1\.table, 1\.weight .*pass init_fn="):
+    with pytest.warns(UserWarning, match=r"3 parameter\(s\) or buffer\(s\) were not initialised "
+                      r"and hold NaN \(integers: zeros\): 1\.table, 1\.positions, 1\.weight "
+                      r".*pass init_fn="):
         graphshard.materialize(model)
     assert model[0]._parameters["weight"].to_local().isfinite().all()  # reset_parameters ran
     assert model[1]._parameters["weight"].to_local().isnan().all() and model[1].table.isnan().all()
+    assert (model[1].positions == 0).all()  # alike on every rank, not whatever memory held
 
     def init(module):
         if isinstance(module, _NoReset):
             module.weight.fill_(1.0)
             module.table.copy_(torch.arange(8.0))
+            module.positions = torch.arange(8)  # a new tensor in its place counts as written
         else:
             module.reset_parameters()
 

@@ -16,7 +16,7 @@ from torch.distributed.checkpoint.state_dict import set_model_state_dict, set_st
 
 from graphshard.checkpoint.agreement import (agree, check_sharded_over_the_world, describe,
                                              distributed, rank_world)
-from graphshard.checkpoint.errors import CheckpointError, raise_if_unfit
+from graphshard.checkpoint.errors import CheckpointError, CheckpointNotFoundError, raise_if_unfit
 from graphshard.checkpoint.layout import OPTIM_KEYS, Layout, open_checkpoint
 from graphshard.checkpoint.rng import from_bytes, restore_or_derive, rng_request
 from graphshard.checkpoint.save import wait_for_async_save
@@ -100,11 +100,12 @@ def load(
             request["graphshard"] = rng_request(metadata, rank, restore_rng)
     except Exception as exc:
         error = exc
-    failed, _ = agree(error)
+    failed, not_found = agree(error, isinstance(error, CheckpointNotFoundError))
     if error is not None:
         raise error
-    if failed:
-        raise CheckpointError(f"cannot load checkpoint {path}: {failed}")
+    if failed:  # of the same type on every rank: one `except` serves them all
+        raise (CheckpointNotFoundError if any(not_found) else CheckpointError)(
+            f"cannot load checkpoint {path}: {failed}")
 
     try:
         dcp.load(request, checkpoint_id=path, no_dist=not distributed())

@@ -258,13 +258,14 @@ def load_pretrained(model: nn.Module, path: str | os.PathLike, *,
         plan = _pretrained_plan(model, tensors, path, init_fn)
     except (CheckpointError, st.SafetensorsError, OSError) as exc:
         error = exc
-    failed, _ = agree(error)
+    failed, not_found = agree(error, isinstance(error, CheckpointNotFoundError))
     if error is not None:
         if isinstance(error, CheckpointError):
             raise error
         raise CheckpointError(str(error)) from error
-    if failed:
-        raise CheckpointError(f"cannot load pretrained weights from {path}: {failed}")
+    if failed:  # of the same type on every rank: one `except` serves them all
+        raise (CheckpointNotFoundError if any(not_found) else CheckpointError)(
+            f"cannot load pretrained weights from {path}: {failed}")
     device = _device_for(model)
     with torch.no_grad():
         if init_fn is not None:

@@ -185,9 +185,9 @@ def sharded_on_fake_cluster(workload: Workload, world_size: int, strategy: str,
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
 
-    import graphshard
     from graphshard._torch_compat import (clear_dtensor_caches, fake_tensor_mode,
                                           init_fake_process_group)
+    from graphshard.tools.plan.apply import parallelize_and_shard
 
     if tp < 1 or world_size % tp:
         raise DumpError(f"--tp {tp} must be >= 1 and divide the world size {world_size}")
@@ -204,16 +204,12 @@ def sharded_on_fake_cluster(workload: Workload, world_size: int, strategy: str,
         else:
             dims = ((data_parallel,), ("dp",))
         if tp > 1:
-            mesh = init_device_mesh("cpu", (*dims[0], tp), mesh_dim_names=(*dims[1], "tp"))
-            try:
-                graphshard.parallelize(workload.model, mesh["tp"])
-            except ValueError as e:
-                raise DumpError(f"--tp {tp}: {e}") from None
-            mesh = mesh[dims[1]]
-        else:
-            mesh = init_device_mesh("cpu", *dims[:1], mesh_dim_names=dims[1])
-        graphshard.shard(workload.model, mesh, strategy=strategy, param_dtype=param_dtype,
-                         reduce_dtype=reduce_dtype)
-        yield mesh
+            dims = ((*dims[0], tp), (*dims[1], "tp"))
+        mesh = init_device_mesh("cpu", dims[0], mesh_dim_names=dims[1])
+        parallelize_and_shard(workload.model, mesh, dict(strategy=strategy,
+                                                         param_dtype=param_dtype,
+                                                         reduce_dtype=reduce_dtype),
+                              tp_refused=lambda e: DumpError(f"--tp {tp}: {e}"))
+        yield mesh[dims[1][:-1]] if tp > 1 else mesh
     finally:
         dist.destroy_process_group()

@@ -52,15 +52,17 @@ def capture_probes(target: str, layout: Layout, devices: int, seq: int, n_layers
     return probes
 
 
-def convert_to_float8(model) -> None:
-    """Convert `model` as a float8 configuration's JSON says (FLOAT8_RECIPE): torchao's float8
-    training of the Linears whose widths divide by 16, their weights gathered in float8."""
+def convert_to_float8(model, config: dict | None = None) -> None:
+    """Convert `model` as a float8 configuration's JSON says (FLOAT8_RECIPE; `config`: its
+    Float8LinearConfig arguments): torchao's float8 training of the Linears whose widths divide
+    by 16, their weights gathered in float8."""
     try:
         from torchao.float8 import Float8LinearConfig, convert_to_float8_training
     except ImportError as e:
         raise PlanError("--dtypes float8 needs torchao: pip install 'graphshard[float8]'") from e
     convert_to_float8_training(
-        model, config=Float8LinearConfig(**FLOAT8_RECIPE["config"]),
+        model, config=Float8LinearConfig(**(FLOAT8_RECIPE["config"] if config is None
+                                            else config)),
         module_filter_fn=lambda module, fqn: (module.in_features % 16 == 0
                                               and module.out_features % 16 == 0))
 
