@@ -64,6 +64,7 @@ from graphshard.passes.graph_utils import (
     unsharded_bytes,
     wait_of,
 )
+from graphshard.passes.pack_graph_inputs import CONCAT
 from graphshard.passes.units import block_of
 
 
@@ -79,7 +80,6 @@ class Bucket:
 
 
 STEP_BUCKETS = "<step>"  # the unit label of gradient all-reduce buckets that span units
-CONCAT = torch.ops.graphshard.concat.default
 
 
 def _unit_label(node: fx.Node) -> str | None:

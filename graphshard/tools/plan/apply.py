@@ -26,10 +26,10 @@ class AppliedPlan:
 
 def apply_plan(model: nn.Module, plan: str | os.PathLike | dict,
                device_type: str | None = None) -> AppliedPlan:
-    """Build the plan's device mesh over this job's ranks, then convert the model to torchao's
-    float8 training where the plan says float8, apply its tensor-parallel plan on mesh["tp"]
-    where the plan has TP, checkpoint its repeated blocks, and shard it over the data-parallel
-    dims. `plan`: a path to the JSON, or the loaded dict (a single configuration, or `--json`'s
+    """Build the plan's device mesh over this job's ranks, then, as the planner's captures do,
+    convert the model to torchao's float8 training where the plan says float8, checkpoint its
+    repeated blocks, apply its tensor-parallel plan on mesh["tp"] where the plan has TP, and
+    shard it over the data-parallel dims. `plan`: a path to the JSON, or the loaded dict (a single configuration, or `--json`'s
     {"configs": [...]}, whose best is taken); rank 0's is every rank's. `device_type`: the
     mesh's; by default the model's parameters' ("cuda" for a meta model where there is a GPU).
     Call it on every rank, after init_process_group and before torch.compile. A plan that does
@@ -54,14 +54,13 @@ def apply_plan(model: nn.Module, plan: str | os.PathLike | dict,
         from graphshard.tools.plan.capture import convert_to_float8
 
         convert_to_float8(model, layout.float8)
-    parallelize_and_shard(model, mesh, layout.shard_kwargs,
-                          before_shard=lambda: apply_activation_checkpointing(model, layout.ac))
+    apply_activation_checkpointing(model, layout.ac)
+    parallelize_and_shard(model, mesh, layout.shard_kwargs)
     return AppliedPlan(dict(config["options"]), config["micro_batch"],
                        config["accumulation_steps"], mesh)
 
 
 def parallelize_and_shard(model: nn.Module, mesh, shard_kwargs: dict,
-                          before_shard: Callable[[], Any] = lambda: None,
                           tp_refused: Callable[[ValueError], Exception] | None = None) -> None:
     """The model's TP plan on mesh["tp"] where the mesh has that dim, then shard() over the
     others: how the planner's captures and apply_plan lay a configuration out. `tp_refused`
@@ -76,7 +75,6 @@ def parallelize_and_shard(model: nn.Module, mesh, shard_kwargs: dict,
             if tp_refused is None:
                 raise
             raise tp_refused(e) from None
-    before_shard()
     graphshard.shard(model, mesh[tuple(name for name in names if name != "tp")], **shard_kwargs)
 
 
