@@ -3,7 +3,8 @@
     graphshard calibrate --out local.json
     python -m graphshard.bench.plan_fidelity --cluster local.json --json fidelity.json
 
-For each configuration below (two built-in models, world sizes 2 and 3, strategies, activation
+For each configuration below (two built-in models, world sizes 2 and 3, strategies (no_shard
+among them), activation
 checkpointing, dtypes, reshard and prefetch options, tensor parallelism on a 1x2 mesh) the
 planner's prediction (`plan.predict`: the same capture, passes and cost model as
 `graphshard plan`) is set beside the bench's
@@ -74,6 +75,9 @@ CASES = [
     Case("llama", 3, 6, ac="full"),
     Case("llama", 2, 8, tp=2),
     Case("llama", 2, 8, tp=2, param_dtype="bfloat16"),
+    Case("transformer", 2, 8, strategy="no_shard"),
+    Case("llama", 2, 8, strategy="no_shard", param_dtype="bfloat16"),
+    Case("llama", 3, 6, strategy="no_shard"),
 ]
 
 
@@ -131,7 +135,8 @@ def predict_all(cases: list[Case], cluster) -> dict[Case, dict]:
     predicted = {}
     for case in cases:
         data_parallel = case.world // case.tp  # the TP ranks of a data-parallel rank share its rows
-        layout = Layout(case.strategy, data_parallel, case.ac, case.param_dtype,
+        shard_size = 1 if case.strategy == "no_shard" else data_parallel
+        layout = Layout(case.strategy, shard_size, case.ac, case.param_dtype,
                         case.batch // data_parallel, case.tp)
         config = predict(case.model, case.world, cluster, case.batch, SEQ, layout,
                          Knobs(case.keep, case.prefetch, case.bucket_mb), case.model_args)

@@ -45,6 +45,21 @@ def test_a_hybrid_plan_read_from_its_file_sets_the_model_up_as_it_says(fake_pg, 
     assert model.layers[0].attention.wq.weight.dtype == torch.bfloat16
 
 
+@pytest.mark.parametrize("fake_pg", [8], indirect=True)
+def test_a_no_shard_plan_replicates_every_parameter(fake_pg):
+    """The planner's no_shard row (DDP's layout): every rank holds every parameter whole."""
+    plan = {"shard": {"strategy": "no_shard", "mesh_shape": [8], "mesh_dim_names": ["dp"],
+                      "tensor_parallel": 1},
+            "options": {"bucket_mb": 25.0}, "activation_checkpointing": "none",
+            "micro_batch": 4, "accumulation_steps": 1, "fits": True}
+    model = _model()
+    applied = graphshard.apply_plan(model, plan)
+    assert applied.options == {"bucket_mb": 25.0} and applied.mesh.shape == (8,)
+    weight = model.layers[0].attention.wq._parameters["weight"]
+    assert isinstance(weight, DTensor) and weight.placements[0].is_replicate()
+    assert weight.to_local().shape == weight.shape == (32, 32)
+
+
 def test_a_plan_for_another_job_is_a_clear_error(fake_pg, tmp_path):
     plan = {**HYBRID, "shard": {**HYBRID["shard"], "mesh_shape": [4, 4]}}
     with pytest.raises(ValueError, match=r"the plan is for 16 devices .* this job has 8 ranks: "

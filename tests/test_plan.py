@@ -25,8 +25,9 @@ TINY = "tests/dump_targets/tiny.py"
 
 @pytest.fixture(scope="module")
 def planned(tmp_path_factory):
-    """One exhaustive search on 16 H100s (two nodes): full_shard, hybrid over one node; AC none
-    and full (the default search would leave out "full", which "none" outruns here)."""
+    """One exhaustive search on 16 H100s (two nodes): full_shard, hybrid over one node,
+    no_shard; AC none and full (the default search would leave out "full", which "none"
+    outruns here)."""
     tmp = tmp_path_factory.mktemp("plan")
     argv = [*SMALL, "--devices", "16", "--cluster", "h100", "--global-batch", "16",
             "--ac", "none,full", "--dtypes", "bf16", "--exhaustive", "--quiet",
@@ -42,8 +43,9 @@ def planned(tmp_path_factory):
 @pytest.mark.slow  # the planner's CLI search
 def test_every_configuration_is_reported_best_first(planned):
     configs = planned["all"]["configs"]
-    # 2 strategies x 2 AC, 6 option sets each (+ "auto" where distinct)
-    assert len(configs) >= 24
+    # full_shard and hybrid x 2 AC, 6 option sets each (+ "auto" where distinct); no_shard x
+    # 2 AC, one option set per bucket size (it gathers nothing: no keep, no prefetch)
+    assert len(configs) >= 24 + 4
     for c in configs:
         for key in ("step_s", "tokens_per_s", "peak_memory_bytes", "fits", "shard", "options"):
             assert key in c, key
@@ -52,10 +54,22 @@ def test_every_configuration_is_reported_best_first(planned):
     assert fitting == sorted(fitting) and configs[0]["fits"]
     assert planned["best"] == configs[0]
     strategies = {(c["shard"]["strategy"], tuple(c["shard"]["mesh_shape"])) for c in configs}
-    assert {("full_shard", (16,)), ("shard_grad_op", (16,)), ("hybrid_shard", (2, 8))} <= strategies
+    assert {("full_shard", (16,)), ("shard_grad_op", (16,)), ("hybrid_shard", (2, 8)),
+            ("no_shard", (16,))} <= strategies
+    no_shard = [c for c in configs if c["shard"]["strategy"] == "no_shard"]
+    assert len(no_shard) == 4 and all(set(c["options"]) == {"bucket_mb"} for c in no_shard)
+    # DDP's layout: an all-reduce is a reduce-scatter and an all-gather, of the fp32 gradients
+    # (bf16 parameters, fp32 reduction), where shard_grad_op gathers bf16 parameters: 4 + 4
+    # bytes an element against 2 + 4; every parameter and its optimizer state whole on each rank
+    grad_op = {(c["activation_checkpointing"], c["options"]["bucket_mb"]): c for c in configs
+               if c["shard"]["strategy"] == "shard_grad_op" and c["options"]["prefetch"] == 1}
+    for c in no_shard:
+        twin = grad_op[(c["activation_checkpointing"], c["options"]["bucket_mb"])]
+        assert c["comm_bytes"] == pytest.approx(twin["comm_bytes"] * 8 / 6, rel=0.02), (c, twin)
+        assert c["peak_memory_bytes"] > twin["peak_memory_bytes"]
     assert {c["activation_checkpointing"] for c in configs} == {"none", "full"}
     assert {(c["micro_batch"], c["accumulation_steps"]) for c in configs} == {(1, 1)}
-    assert {c["options"]["prefetch"] for c in configs} == {1, 2}
+    assert {c["options"].get("prefetch") for c in configs} == {1, 2, None}  # None: no_shard
     assert {c["options"]["bucket_mb"] for c in configs} == {25.0, 64.0}
     assert planned["trace"]["traceEvents"], "the trace of the best configuration is empty"
 
@@ -74,8 +88,15 @@ def test_memory_is_printed_in_a_unit_that_fits(planned):
 def test_micro_batches_accumulate_to_the_global_batch():
     assert planner.micro_batches(4) == [4, 2, 1] and planner.micro_batches(3) == [3, 1]
     layouts = planner.layouts(16, 8, 64, ("none", "full"), ("bfloat16",))
-    assert {(layout.strategy, layout.shard_size) for layout in layouts} == {("full_shard", 16), ("hybrid_shard", 8)}
-    assert len(layouts) == 2 * 2 * 3  # strategies x AC x micro-batch sizes
+    assert {(layout.strategy, layout.shard_size) for layout in layouts} == {
+        ("full_shard", 16), ("hybrid_shard", 8), ("no_shard", 1)}
+    assert len(layouts) == 3 * 2 * 3  # strategies x AC x micro-batch sizes
+    assert {layout.strategy for layout in planner.layouts(
+        16, 8, 64, ("none",), ("bfloat16",), strategies=("full_shard", "no_shard"))} == {
+        "full_shard", "no_shard"}
+    # one data-parallel rank: no_shard is full_shard, and not a layout of its own
+    assert {layout.strategy for layout in planner.layouts(2, 8, 4, ("none",), ("bfloat16",),
+                                                          tp_sizes=(2,))} == {"full_shard"}
     assert planner.shard_group_sizes(64, 8) == [8, 16, 32]
 
 
@@ -113,7 +134,8 @@ def _plan_small_llama(tmp_path, dtypes: str, tp: str, quiet: bool = True
     """The planner's CLI on the small Llama, 8 H100s: (every configuration, the printed table)."""
     argv = ["llama", "--model-args", ",".join(f"{k}={v}" for k, v in LLAMA_ARGS.items()),
             "--seq", "32", "--devices", "8", "--cluster", "h100", "--global-batch", "8",
-            "--ac", "none", "--dtypes", dtypes, "--tp", tp, *(["--quiet"] if quiet else []),
+            "--ac", "none", "--dtypes", dtypes, "--tp", tp, "--top", "40",
+            *(["--quiet"] if quiet else []),
             "--json", str(tmp_path / "all.json"), "--out", str(tmp_path / "best.json")]
     printed = io.StringIO()
     with contextlib.redirect_stdout(printed):
@@ -153,7 +175,7 @@ def test_float8_is_searched_priced_at_one_byte_a_gathered_element_and_builds_as_
     assert re.search(r"full_shard\s+8\s+1\s+none\s+float8\s", printed), printed
 
     def key(c):  # the same layout and knobs, another dtype
-        return (c["shard"]["strategy"], c["micro_batch"], c["options"]["prefetch"],
+        return (c["shard"]["strategy"], c["micro_batch"], c["options"].get("prefetch"),
                 c["options"]["bucket_mb"], c["options"].get("reshard_after_forward"))
 
     bf16 = {key(c): c for c in configs if "float8" not in c}
@@ -193,145 +215,6 @@ def test_collectives_pay_the_link_their_group_spans():
         steps[name] = {c.layout.strategy: c.step_s for c in configs}
     slowdown = {s: steps["slow"][s] - steps["fast"][s] for s in ("full_shard", "hybrid_shard")}
     assert slowdown["full_shard"] > 2 * slowdown["hybrid_shard"] > 0, (steps, slowdown)
-
-
-@pytest.mark.slow  # two searches
-def test_hybrid_groups_are_tried_around_the_best_full_shard_layouts(monkeypatch):
-    """Every full_shard layout is captured but those a captured one outruns; hybrid shard
-    groups only for the best of them (TP degree, AC, dtype, micro-batch; the best one here,
-    three by default): the same best as the exhaustive search on this cluster."""
-    from graphshard.tools.plan import search
-
-    monkeypatch.setattr(search, "HYBRID_TRIED_FOR", 1)
-    args = dict(model_args={"dim": 128}, ac_modes=("none",), dtypes=("bfloat16",),
-                knobs=(planner.Knobs("last", 1, 64.0),), tp_sizes=(1, 2))
-    staged = planner.plan("llama", 16, PRESETS["h100"], 16, 32, **args)  # it has a TP plan
-    every = planner.plan("llama", 16, PRESETS["h100"], 16, 32, exhaustive=True, **args)
-    tried = {c.layout for c in staged}
-    full = {layout for layout in (c.layout for c in every) if layout.strategy == "full_shard"}
-    hybrid = {c.layout for c in every} - full
-    assert len(full) == 3 and len(hybrid) == 3  # TP 1; TP 2 at micro 2, 1
-    fastest = {layout: min(c.step_s for c in every if c.layout == layout) for layout in full}
-    assert all(fastest[layout] >= staged[0].step_s for layout in full - tried)
-    best = search.best_layouts([c for c in staged if c.layout.strategy == "full_shard"], 1)
-    assert {(layout.tp, layout.ac, layout.param_dtype, layout.micro_batch)
-            for layout in tried - full} == best and len(tried - full) == 1
-    assert (staged[0].layout, staged[0].step_s) == (every[0].layout, every[0].step_s)
-
-
-@pytest.mark.slow  # three searches
-def test_layouts_whose_matmuls_alone_outlast_the_best_step_are_not_captured():
-    """Dtypes are searched fastest matmuls first; a slower dtype's layouts are captured only
-    where their matmul FLOPs at its peak could still beat the best step found. On a cluster
-    whose fp32 matmuls are 1000x slower, the fp32 layouts are left out, with the exhaustive
-    search's best, and each is slower there than that best; at the real fp32 peak this small
-    model's steps are overhead and traffic, so its fp32 layouts are captured. Checkpointed
-    fp32 layouts are left out by the FLOPs without checkpointing (recomputation only adds),
-    though no checkpointed layout was captured to count their own."""
-    h100 = PRESETS["h100"]
-    slow_fp32 = dataclasses.replace(h100, flops_per_s=h100.flops_per_s / 1000)
-    args = dict(model_args={"dim": 128}, ac_modes=("none", "full"), dtypes=("bfloat16", "float32"),
-                knobs=(planner.Knobs("last", 1, 64.0),), tp_sizes=(1,))
-    staged = planner.plan("llama", 8, slow_fp32, 8, 32, **args)
-    every = planner.plan("llama", 8, slow_fp32, 8, 32, exhaustive=True, **args)
-    assert {c.layout.param_dtype for c in staged} == {"bfloat16"}
-    assert {c.layout.ac for c in staged} == {"none"}  # "full" outrun: its FLOPs never counted
-    left_out = [c for c in every if c.layout.param_dtype == "float32"]
-    assert left_out and min(c.step_s for c in left_out) > staged[0].step_s
-    assert (staged[0].layout, staged[0].step_s) == (every[0].layout, every[0].step_s)
-    assert {c.layout.param_dtype for c in planner.plan("llama", 8, h100, 8, 32, **args)} == {
-        "bfloat16", "float32"}
-
-
-@pytest.mark.slow  # three searches
-def test_smaller_micro_batches_and_heavier_checkpointing_are_captured_only_while_they_could_win():
-    """A layout's larger micro-batch or lighter checkpointing is never slower (checked here on
-    every layout of the exhaustive search); the search captures the fastest of each family
-    first and the others only while they could beat the best step found: the exhaustive
-    search's best with fewer captures, and, once the device memory leaves out the largest
-    micro-batch without checkpointing, the next fastest that fits is captured and ranks first."""
-    from graphshard.tools.plan import search
-
-    args = dict(model_args={"dim": 128}, ac_modes=("none", "full"), dtypes=("bfloat16",),
-                knobs=(planner.Knobs("last", 1, 64.0),), tp_sizes=(1,))
-    h100 = PRESETS["h100"]
-    every = planner.plan("llama", 8, h100, 32, 32, exhaustive=True, **args)
-    fastest = {c.layout: c.step_s for c in every}  # one option set: one row per layout
-    assert len(fastest) == 6  # micro-batches 4, 2, 1 x AC none, full
-    for layout, step in fastest.items():
-        for other in search._outrunners(layout, set(fastest)):
-            assert step >= fastest[other] * (1 - 1e-9), (layout, other)
-    staged = planner.plan("llama", 8, h100, 32, 32, **args)
-    assert (staged[0].layout, staged[0].step_s) == (every[0].layout, every[0].step_s)
-    tried = {c.layout for c in staged}
-    assert len(tried) < len(fastest)
-
-    # Only the fastest of the family is captured while it fits; once the device memory leaves
-    # it out, the layouts it outran are captured and the fastest of them that fits ranks first.
-    assert tried == {every[0].layout}
-    peak = {c.layout: c.peak_memory_bytes for c in every}
-    tight = dataclasses.replace(h100, device_memory_bytes=peak[every[0].layout] * (1 - 1e-6))
-    fitting = min((c for c in every if c.peak_memory_bytes <= tight.device_memory_bytes),
-                  key=lambda c: c.step_s)
-    staged = planner.plan("llama", 8, tight, 32, 32, **args)
-    assert staged[0].fits and staged[0].layout == fitting.layout != every[0].layout
-    assert staged[0].step_s == pytest.approx(fitting.step_s)
-
-
-@pytest.mark.slow  # three searches
-def test_hybrid_layouts_that_the_best_outran_are_captured_where_the_faster_does_not_fit():
-    """A hybrid layout holds more memory than its full_shard twin: where the hybrid layout of
-    a best full_shard key does not fit, the hybrid layouts it outran (heavier checkpointing
-    here) are captured too, and the search's best is the exhaustive search's."""
-    args = dict(model_args={"dim": 128}, ac_modes=("none", "full"), dtypes=("bfloat16",),
-                knobs=(planner.Knobs("last", 1, 64.0),), tp_sizes=(1,))
-    h100 = PRESETS["h100"]
-    every = planner.plan("llama", 16, h100, 16, 32, exhaustive=True, **args)
-    peak = {(c.layout.strategy, c.layout.ac): c.peak_memory_bytes for c in every}
-    assert len(peak) == 4  # full_shard, hybrid 2 x 8; AC none, full
-    hybrid_full = next(c.layout for c in every if c.layout.strategy == "hybrid_shard"
-                       and c.layout.ac == "full")
-    roomy = {c.layout for c in planner.plan("llama", 16, h100, 16, 32, **args)}
-    assert hybrid_full not in roomy
-    # room for every layout but the hybrid one without checkpointing
-    limit = peak[("hybrid_shard", "none")] * (1 - 1e-6)
-    assert max(v for k, v in peak.items() if k != ("hybrid_shard", "none")) <= limit
-    tight = dataclasses.replace(h100, device_memory_bytes=limit)
-    staged = planner.plan("llama", 16, tight, 16, 32, **args)
-    assert hybrid_full in {c.layout for c in staged}
-    fitting = min((c for c in every if c.peak_memory_bytes <= limit), key=lambda c: c.step_s)
-    assert (staged[0].layout, staged[0].step_s) == (fitting.layout, pytest.approx(fitting.step_s))
-
-
-@pytest.mark.slow  # two searches
-def test_hybrid_layouts_whose_twin_computes_longer_than_the_best_step_are_not_captured():
-    """The model's own compute is the same in a hybrid layout and its full_shard twin (checked
-    on an exhaustive search over 24 devices, where the twin pads the rows 24 ranks do not
-    divide and hybrid groups of 8 pad others); hybrid groups are captured least compute first,
-    and the rest only while that compute could still beat the best step found. Here fp32 steps
-    faster than bf16 (this small model's casts cost more than its matmuls save): the bf16
-    hybrid layout, whose twin's model computes longer than the fp32 best step, is left out,
-    with the exhaustive search's best."""
-    from graphshard.tools.plan import search
-
-    args = dict(model_args={"dim": 128}, ac_modes=("none",), dtypes=("bfloat16", "float32"),
-                knobs=(planner.Knobs("last", 1, 64.0),), tp_sizes=(1,))
-    h100 = PRESETS["h100"]
-    every = planner.plan("llama", 24, h100, 24, 32, exhaustive=True, **args)
-    twin = {c.layout.param_dtype: c.model_compute_s for c in every
-            if c.layout.strategy == "full_shard"}
-    hybrid = [c for c in every if c.layout.strategy == "hybrid_shard"]
-    assert len(hybrid) == 2 and len(twin) == 2  # one layout per strategy and dtype
-    for config in hybrid:
-        assert config.model_compute_s == pytest.approx(twin[config.layout.param_dtype], rel=1e-9)
-        assert config.step_s > config.model_compute_s
-    staged = planner.plan("llama", 24, h100, 24, 32, **args)
-    assert (staged[0].layout, staged[0].step_s) == (every[0].layout, every[0].step_s)
-    left_out = {c.layout for c in hybrid} - {c.layout for c in staged}
-    assert [layout.param_dtype for layout in left_out] == ["bfloat16"], left_out
-    for layout in left_out:
-        assert search.compute_floor(layout, staged) >= staged[0].step_s
-        assert min(c.step_s for c in every if c.layout == layout) >= staged[0].step_s
 
 
 def test_ranks_beyond_a_nodes_compute_slots_share_it():
@@ -433,6 +316,11 @@ def test_auto_keeps_as_many_blocks_beyond_the_default_as_the_device_memory_allow
      r"--dtypes float8: this cluster has no float8 matmul peak"),
     (["transformer", "--model-args", "dim", "--seq", "32", "--devices", "8", "--cluster", "h100",
       "--global-batch", "8"], r"--model-args: expected KEY=VALUE, got 'dim'"),
+    ([*SMALL, "--devices", "8", "--cluster", "h100", "--global-batch", "8", "--strategies",
+      "full_shard,ddp"], r"--strategies takes full_shard, hybrid_shard, no_shard, comma-separated; "
+                         r"got 'full_shard,ddp'"),
+    ([*SMALL, "--devices", "8", "--cluster", "h100", "--global-batch", "8", "--strategies",
+      "hybrid_shard"], r"--strategies hybrid_shard: no such layout on 8 devices"),
 ])
 def test_bad_input_is_one_clear_line(capsys, argv, message):
     assert planner.main([*argv, "--quiet"]) == 2

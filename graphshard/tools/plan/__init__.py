@@ -10,14 +10,14 @@ except that the planner varies the micro-batch and the sequence length: a factor
 training step the way dump does (one process, a fake process group of `--devices` ranks, fake
 tensors: no weights, no GPU), then searches:
 
-- layout (each needs its own capture): strategy (full_shard over all devices, or hybrid_shard
+- layout (each needs its own capture): strategy (full_shard over all devices, hybrid_shard
   with every shard-group size that divides the device count and is whole nodes: one node or
-  several), activation checkpointing of the repeated blocks (`--ac`: none, full, selective, the
+  several, or no_shard: DDP's layout, every parameter whole on each device), activation checkpointing of the repeated blocks (`--ac`: none, full, selective, the
   values `graphshard dump --ac` takes), parameter dtype (bf16 with fp32 reduction, or fp32),
   micro-batch size (accumulating to the global batch);
 - options (only the passes and the estimate run again): which units stay gathered from forward
   to backward (the last one: full_shard's default; all: shard_grad_op; "auto": as many blocks as
-  the device memory allows), prefetch depth, bucket size.
+  the device memory allows), prefetch depth, bucket size (no_shard: the bucket size alone).
 
 Each configuration's step is predicted by the cost model (graphshard.compiler.cost_model: roofline
 compute with per-kernel overhead, alpha-beta collectives on the intra- or inter-node link each

@@ -46,6 +46,10 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--tp", default="1,2,4,8", metavar="N[,N...]",
                    help="tensor-parallel degrees to try, within a node (default 1,2,4,8: those "
                         "that fit a node and the model's heads)")
+    p.add_argument("--strategies", default="full_shard,hybrid_shard,no_shard",
+                   metavar="S[,S...]",
+                   help="strategies to try: full_shard (and shard_grad_op, its option to keep "
+                        "every unit gathered), hybrid_shard, no_shard (DDP's layout); default: all")
     p.add_argument("--exhaustive", action="store_true",
                    help="capture every layout: hybrid shard groups with every layout, not only "
                         "with the best three full_shard ones, and a slower dtype's layouts even "
@@ -117,7 +121,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         started = time.perf_counter()
         configs = plan(args.target, args.devices, cluster, args.global_batch, args.seq,
                        model_args=model_args, ac_modes=ac_modes, dtypes=dtypes,
-                       tp_sizes=tp_sizes, workers=args.jobs, progress=progress,
+                       tp_sizes=tp_sizes, strategies=[s.strip() for s in args.strategies.split(",")],
+                       workers=args.jobs, progress=progress,
                        exhaustive=args.exhaustive)
         took = time.perf_counter() - started
         if not configs[0].fits:

@@ -72,6 +72,7 @@ class Config:
     fits: bool
     why: str = ""  # why it does not fit
     model_compute_s: float = 0.0  # the micro-batches' model compute nodes alone
+    trainable_params: float = 0.0  # the model's, each counted once, whole
     kept_blocks: int | None = None  # "auto": blocks kept gathered
     estimates: Any = field(default=None, repr=False)
 
@@ -106,6 +107,8 @@ class Config:
         return kwargs
 
     def options(self, budget_mb: float | None) -> dict:
+        if self.layout.strategy == "no_shard":  # nothing gathered: only the buckets to size
+            return {"bucket_mb": self.knobs.bucket_mb}
         options: dict[str, Any] = {"prefetch": self.knobs.prefetch, "bucket_mb": self.knobs.bucket_mb}
         if self.knobs.keep == "all" and self.layout.strategy == "hybrid_shard":
             options["reshard_after_forward"] = False
@@ -151,4 +154,5 @@ def finish(layout: Layout, knobs: Knobs, probe: Probe, *, accumulation: int, clu
                   6 * probe.trainable_params * tokens / (step * devices * peak_flops), peak,
                   accumulation * probe.comm_bytes, accumulation * probe.exposed_comm_s, fits, why,
                   model_compute_s=accumulation * probe.model_compute_s,
+                  trainable_params=probe.trainable_params,
                   estimates=probe.estimates)

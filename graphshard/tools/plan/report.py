@@ -22,11 +22,14 @@ def table(configs: Sequence[Config], devices: int, cluster, top: int) -> str:
     rows = []
     for rank, c in enumerate(configs[:top], 1):
         keep = KEEP_LABELS.get(c.knobs.keep) or f"{c.kept_blocks} blocks"
+        prefetch = c.knobs.prefetch
+        if c.layout.strategy == "no_shard":  # every parameter whole: nothing gathered
+            keep = prefetch = "-"
         rows.append([
             rank, c.strategy_name, "x".join(map(str, c.mesh_shape(devices))), c.layout.tp,
             c.layout.ac,
             DTYPE_LABELS[c.layout.param_dtype],
-            f"{c.layout.micro_batch}x{c.accumulation}", keep, c.knobs.prefetch, f"{c.knobs.bucket_mb:g}",
+            f"{c.layout.micro_batch}x{c.accumulation}", keep, prefetch, f"{c.knobs.bucket_mb:g}",
             f"{c.step_s * 1e3:.1f}", f"{c.tokens_per_s / devices:,.0f}", f"{100 * c.mfu:.1f}",
             human_bytes(c.peak_memory_bytes) + (f" / {human_bytes(limit)}" if limit else ""),
             human_bytes(c.comm_bytes), f"{c.exposed_comm_s * 1e3:.1f}",

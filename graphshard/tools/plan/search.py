@@ -12,8 +12,8 @@ from graphshard.tools.plan.auto import auto_config
 from graphshard.tools.plan.capture import capture_job, capture_probes
 from graphshard.tools.plan.config import Config, finish, matmul_peak
 from graphshard.tools.plan.pool import capture_pool
-from graphshard.tools.plan.space import (KNOBS, TP_DEGREES, Knobs, Layout, PlanError, layouts,
-                                         rank_batch, tp_degrees)
+from graphshard.tools.plan.space import (KNOBS, STRATEGIES, TP_DEGREES, Knobs, Layout, PlanError,
+                                         knobs_for, layouts, rank_batch, tp_degrees)
 from graphshard.tools.plan.target import at_depth, check_factory_takes_shape, depth_probes
 
 
@@ -54,18 +54,19 @@ def check_plan_input(devices: int, cluster, global_batch: int) -> None:
 def plan(target: str, devices: int, cluster, global_batch: int, seq: int, *,
          model_args: dict | None = None, ac_modes: Sequence[str] = ("none", "full", "selective"),
          dtypes: Sequence[str] = ("bfloat16", "float32"), knobs: Sequence[Knobs] = KNOBS,
-         tp_sizes: Sequence[int] = TP_DEGREES, workers: int = 1,
+         tp_sizes: Sequence[int] = TP_DEGREES, strategies: Sequence[str] = STRATEGIES,
+         workers: int = 1,
          progress: Callable[[str], None] = lambda message: None,
          exhaustive: bool = False) -> list[Config]:
     """The configurations, best first (fitting ones by step time, then the rest by peak).
 
     The full_shard layouts, each left out where it cannot beat the best step found
-    (`_not_beaten`, `_not_outrun`), then hybrid shard groups only for the best
-    `HYBRID_TRIED_FOR` of those (their TP degree, checkpointing, dtype and micro-batch) and
-    the layouts those outran, the least compute first and left out likewise (and by
-    `_not_outcomputed`): hybrid groups trade memory for inter-node traffic around a layout
-    that already fits and runs fast, and they are most of the layouts on a cluster of many
-    nodes. `exhaustive`: every layout."""
+    (`_not_beaten`, `_not_outrun`), then hybrid shard groups and no_shard (DDP's layout) only
+    for the best `HYBRID_TRIED_FOR` of those (their TP degree, checkpointing, dtype and
+    micro-batch) and the layouts those outran, the least compute first and left out likewise
+    (and by `_not_outcomputed`): both trade memory for traffic around a layout that already
+    fits and runs fast, and hybrid groups are most of the layouts on a cluster of many nodes.
+    `exhaustive` (or `strategies` without full_shard): every layout."""
     model_args = dict(model_args or {})
     check_plan_input(devices, cluster, global_batch)
     if "float8" in dtypes and cluster.float8_flops_per_s is None:
@@ -85,9 +86,19 @@ def plan(target: str, devices: int, cluster, global_batch: int, seq: int, *,
             f"--global-batch {global_batch} divides over no data-parallel size of {devices} "
             f"devices with TP degrees {list(wanted)} (each data-parallel rank, devices / tp of "
             "them, trains an equal share): use a multiple of the device count")
+    unknown = sorted(set(strategies) - set(STRATEGIES))
+    if unknown or not strategies:
+        raise PlanError(f"--strategies takes {', '.join(STRATEGIES)}, comma-separated; got "
+                        f"{','.join(strategies)!r}")
     candidates = layouts(devices, cluster.devices_per_node, global_batch, ac_modes, dtypes,
-                         tp_sizes)
-    hybrid = [layout for layout in candidates if layout.strategy != "full_shard"]
+                         tp_sizes, strategies)
+    if not candidates:
+        raise PlanError(f"--strategies {','.join(strategies)}: no such layout on {devices} "
+                        "devices (hybrid_shard needs several nodes' worth of devices, no_shard "
+                        "more than one data-parallel rank)")
+    exhaustive = exhaustive or "full_shard" not in strategies  # no full_shard twins to stage on
+    # hybrid shard groups and no_shard: full_shard's twins that hold more, to move less
+    replicated = [layout for layout in candidates if layout.strategy != "full_shard"]
     first = candidates if exhaustive else [c for c in candidates if c.strategy == "full_shard"]
     configs: list[Config] = []
     skipped: list[str] = []  # why a layout could not be captured (its TP degree)
@@ -99,27 +110,30 @@ def plan(target: str, devices: int, cluster, global_batch: int, seq: int, *,
         if exhaustive:
             capture([layout for stage in stages for layout in stage])
             return
-        left_out = {"beaten": 0, "outcomputed": 0, "outrun": 0}  # by each bound
+        left_out = {"oversized": 0, "beaten": 0, "outcomputed": 0, "outrun": 0}  # by each bound
         for stage in stages:
             for wave in waves(stage):  # the fastest of each family first, then what could win
-                fast_enough = _not_beaten(wave, configs, step_flops, cluster)
+                fitting = _not_oversized(wave, configs, cluster)
+                fast_enough = _not_beaten(fitting, configs, step_flops, cluster)
                 computed = _not_outcomputed(fast_enough, configs)
                 kept = _not_outrun(computed, configs)
-                left_out["beaten"] += len(wave) - len(fast_enough)
+                left_out["oversized"] += len(wave) - len(fitting)
+                left_out["beaten"] += len(fitting) - len(fast_enough)
                 left_out["outcomputed"] += len(fast_enough) - len(computed)
                 left_out["outrun"] += len(computed) - len(kept)
                 capture(kept)
-        why = {"beaten": "by their matmuls alone at their dtype's peak",
+        why = {"oversized": "by their parameters and AdamW state alone, whole on every device",
+               "beaten": "by their matmuls alone at their dtype's peak",
                "outcomputed": "by their full_shard twin's model compute alone",
                "outrun": "by a larger micro-batch or lighter checkpointing of theirs"}
         reasons = [f"{count} {why[bound]}" for bound, count in left_out.items() if count]
         if reasons:
-            progress(f"{sum(left_out.values())} layouts left out, none able to beat the best step "
-                     f"found ({_best_step(configs) * 1e3:,.1f} ms): {', '.join(reasons)} "
+            progress(f"{sum(left_out.values())} layouts left out, none able to fit and beat the "
+                     f"best step found ({_best_step(configs) * 1e3:,.1f} ms): {', '.join(reasons)} "
                      "(--exhaustive captures them)")
 
     def capture(stage: list[Layout]) -> None:
-        jobs = [(target, layout, devices, seq, n, tuple(knobs), cluster, model_args)
+        jobs = [(target, layout, devices, seq, n, knobs_for(layout, knobs), cluster, model_args)
                 for layout in stage for n in probe_sizes]
         results = iter(pool.map(capture_job, jobs))
         for layout in stage:
@@ -137,7 +151,7 @@ def plan(target: str, devices: int, cluster, global_batch: int, seq: int, *,
             share = rank_batch(global_batch, devices, layout.tp)  # a data-parallel rank's
             finish_layout = functools.partial(finish, accumulation=share // layout.micro_batch,
                                               cluster=cluster, devices=devices, tokens=tokens)
-            for knob in knobs:
+            for knob in knobs_for(layout, knobs):
                 probe = at(knob)
                 step = probe.flops * (share // layout.micro_batch)  # every micro-batch's
                 step_flops[(layout.tp, layout.ac)] = min(
@@ -156,15 +170,15 @@ def plan(target: str, devices: int, cluster, global_batch: int, seq: int, *,
         # only where their matmuls alone could still beat the best step found
         for peak in sorted({matmul_peak(layout, cluster) for layout in first}, reverse=True):
             evaluate([[layout for layout in first if matmul_peak(layout, cluster) == peak]])
-        if hybrid and not exhaustive:
+        if replicated and not exhaustive:
             best = best_layouts(configs, HYBRID_TRIED_FOR)
-            # and what those outran: a hybrid layout holds more memory than its full_shard
-            # twin, so where the faster hybrid layout does not fit, the slower one may win
-            second = [layout for layout in hybrid
+            # and what those outran: a hybrid or no_shard layout holds more memory than its
+            # full_shard twin, so where the faster one does not fit, the slower one may win
+            second = [layout for layout in replicated
                       if any(_outruns(key, _but_strategy(layout)) for key in best)]
-            progress(f"hybrid shard groups for the best {len(best)} full_shard layouts and the "
-                     f"layouts they outran: up to {len(second)} layouts ({len(hybrid) - len(second)} "
-                     "left out; --exhaustive tries them all)")
+            progress(f"hybrid shard groups and no_shard for the best {len(best)} full_shard "
+                     f"layouts and the layouts they outran: up to {len(second)} layouts "
+                     f"({len(replicated) - len(second)} left out; --exhaustive tries them all)")
             evaluate(by_compute_floor(second, configs))
     if len(skipped) > len(set(skipped)):
         progress(f"{len(skipped)} layouts skipped in all, for the reason(s) above")
@@ -230,10 +244,10 @@ def _not_outrun(stage: list[Layout], configs: list[Config]) -> list[Layout]:
 
 
 def compute_floor(layout: Layout, configs: list[Config]) -> float:
-    """At most any step of the hybrid `layout`: the model's own compute in its full_shard twin
-    (the same TP degree, checkpointing, dtype and micro-batch), the least of its option sets;
-    or in a twin whose key outruns `layout`'s (`_outruns`), whose hybrid layout of the same
-    shard groups is no slower than `layout`. The model's nodes and their shapes are the same in
+    """At most any step of the hybrid or no_shard `layout`: the model's own compute in its
+    full_shard twin (the same TP degree, checkpointing, dtype and micro-batch), the least of its
+    option sets; or in a twin whose key outruns `layout`'s (`_outruns`), whose layout of the
+    same strategy and shard groups is no slower than `layout`. The model's nodes and their shapes are the same in
     both strategies; only graphshard's own (casts, padding, bucket copies, collectives) differ
     with the shard groups, and they are left out. 0 for a full_shard layout, and where no such
     twin was captured."""
@@ -248,7 +262,7 @@ def compute_floor(layout: Layout, configs: list[Config]) -> float:
 
 
 def by_compute_floor(stage: list[Layout], configs: list[Config]) -> list[list[Layout]]:
-    """`stage` (hybrid layouts) in groups of one full_shard twin each, the lowest
+    """`stage` (hybrid and no_shard layouts) in groups of one full_shard twin each, the lowest
     `compute_floor` first (then lighter checkpointing, larger micro-batches: a group's
     outrunners before it): the likeliest best is captured first, and the groups after it only
     while they could still beat it (`_not_outcomputed`)."""
@@ -261,9 +275,26 @@ def by_compute_floor(stage: list[Layout], configs: list[Config]) -> list[list[La
 
 def _not_outcomputed(stage: list[Layout], configs: list[Config]) -> list[Layout]:
     """The layouts of `stage` that could still beat the best fitting configuration found: a
-    hybrid layout's step takes at least its `compute_floor`."""
+    hybrid or no_shard layout's step takes at least its `compute_floor`."""
     best = _best_step(configs)
     return [layout for layout in stage if compute_floor(layout, configs) < best]
+
+
+NO_SHARD_STATE_BYTES = 12  # a parameter's fp32 master and AdamW's two fp32 moments
+
+
+def _not_oversized(stage: list[Layout], configs: list[Config], cluster) -> list[Layout]:
+    """The layouts of `stage` that could fit: a no_shard layout holds every parameter of its TP
+    piece whole on each device, with its optimizer state (`NO_SHARD_STATE_BYTES` an element at
+    the least: the model's parameters, known from any capture, over the TP degree, its
+    replicated norms aside), so a model whose state alone exceeds the device memory is not
+    captured that way."""
+    limit = cluster.device_memory_bytes
+    params = max((config.trainable_params for config in configs), default=0.0)
+    if limit is None or not params:
+        return list(stage)
+    return [layout for layout in stage if layout.strategy != "no_shard"
+            or params / layout.tp * NO_SHARD_STATE_BYTES <= limit]
 
 
 def _not_beaten(stage: list[Layout], configs: list[Config], step_flops: dict,
@@ -284,7 +315,7 @@ def _not_beaten(stage: list[Layout], configs: list[Config], step_flops: dict,
     return [layout for layout in stage if bound(layout) < best]
 
 
-HYBRID_TRIED_FOR = 3  # full_shard layouts whose hybrid shard groups the search tries
+HYBRID_TRIED_FOR = 3  # full_shard layouts whose hybrid and no_shard twins the search tries
 
 
 def _best_first(config: Config) -> tuple:

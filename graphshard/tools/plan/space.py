@@ -16,8 +16,8 @@ class PlanError(Exception):
 class Layout:
     """What needs its own capture."""
 
-    strategy: str  # "full_shard" or "hybrid_shard"
-    shard_size: int  # ranks per shard group (all devices for full_shard)
+    strategy: str  # "full_shard", "hybrid_shard" or "no_shard" (DDP's layout)
+    shard_size: int  # ranks per shard group (all data-parallel ranks for full_shard, 1 for no_shard)
     ac: str  # activation checkpointing: "none", "full", "selective"
     # "bfloat16" (fp32 reduction), "float32", or "float8": torchao's float8 training of the
     # Linears it can convert, their weights gathered in float8, the rest bfloat16
@@ -39,6 +39,18 @@ KNOBS = tuple(Knobs(keep, prefetch, bucket) for keep in ("last", "all")
               for prefetch, bucket in ((1, 64.0), (2, 64.0), (1, 25.0)))
 
 
+def knobs_for(layout: Layout, knobs: Sequence[Knobs]) -> tuple[Knobs, ...]:
+    """The option sets that differ on `layout`: no_shard gathers nothing, so which units stay
+    gathered and how far ahead they are gathered change nothing there; only the size of its
+    gradient buckets does (one option set per bucket size: the first that names it)."""
+    if layout.strategy != "no_shard":
+        return tuple(knobs)
+    by_bucket: dict[float, Knobs] = {}
+    for knob in knobs:
+        by_bucket.setdefault(knob.bucket_mb, Knobs("last", knob.prefetch, knob.bucket_mb))
+    return tuple(by_bucket.values())
+
+
 def shard_group_sizes(devices: int, devices_per_node: int | None) -> list[int]:
     """Hybrid shard-group sizes: divisors of the device count made of whole nodes (one node or
     several), short of all devices (that is full_shard)."""
@@ -54,6 +66,7 @@ def micro_batches(local_batch: int) -> list[int]:
 
 
 TP_DEGREES = (1, 2, 4, 8)
+STRATEGIES = ("full_shard", "hybrid_shard", "no_shard")
 
 
 def tp_degrees(devices: int, devices_per_node: int | None, global_batch: int,
@@ -72,15 +85,18 @@ def rank_batch(global_batch: int, devices: int, tp: int) -> int:
 
 def layouts(devices: int, devices_per_node: int | None, global_batch: int,
             ac_modes: Sequence[str], dtypes: Sequence[str],
-            tp_sizes: Sequence[int] = (1,)) -> list[Layout]:
+            tp_sizes: Sequence[int] = (1,), strategies: Sequence[str] = STRATEGIES) -> list[Layout]:
     node = devices_per_node or devices
     found = []
     for tp in tp_sizes:
         data_parallel = devices // tp
-        strategies = [("full_shard", data_parallel)] + [
+        shard_groups = [("full_shard", data_parallel)] + [
             ("hybrid_shard", s) for s in shard_group_sizes(data_parallel, node // tp)]
+        if data_parallel > 1:  # one data-parallel rank: no_shard is full_shard
+            shard_groups.append(("no_shard", 1))
         found += [Layout(strategy, size, ac, dtype, micro, tp)
                   for (strategy, size), ac, dtype, micro in itertools.product(
-                      strategies, ac_modes, dtypes,
-                      micro_batches(rank_batch(global_batch, devices, tp)))]
+                      shard_groups, ac_modes, dtypes,
+                      micro_batches(rank_batch(global_batch, devices, tp)))
+                  if strategy in strategies]
     return found
