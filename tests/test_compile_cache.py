@@ -10,7 +10,6 @@ must miss.
 
 from __future__ import annotations
 
-import functools
 import os
 
 import pytest

@@ -9,7 +9,7 @@ import torch
 from graphshard.passes import meta_keys
 from graphshard.compiler.options import GraphshardOptions
 from graphshard.passes.context import PassContext
-from tests.pass_graphs import gather_graph, ctx
+from tests.pass_graphs import gather_graph
 
 
 def test_a_stage_run_out_of_order_fails_loudly(monkeypatch):

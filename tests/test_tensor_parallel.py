@@ -11,7 +11,6 @@ spawned group per world size runs every configuration (Inductor compiles dominat
 from __future__ import annotations
 
 import functools
-import os
 from dataclasses import dataclass
 
 import pytest
