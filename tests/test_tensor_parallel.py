@@ -40,6 +40,7 @@ class TPRun:
     peer: str = "graphshard"  # or "fsdp2": torch's fully_shard on the same TP model, eager
     compiled: bool = True
     options: tuple = ()  # graphshard backend options, as (key, value) pairs
+    strategy: str | None = None  # default: hybrid_shard on a 3-D mesh, else full_shard
 
 
 def build(model: str) -> nn.Module:
@@ -91,7 +92,7 @@ def _parallel_model(run: TPRun):
         fully_shard(model, mesh=dp_mesh, mp_policy=policy)
         fn = model
     else:
-        strategy = "hybrid_shard" if len(run.mesh) == 3 else "full_shard"
+        strategy = run.strategy or ("hybrid_shard" if len(run.mesh) == 3 else "full_shard")
         graphshard.shard(model, dp_mesh, strategy=strategy, param_dtype=run.param_dtype,
                          reduce_dtype=torch.float32 if run.param_dtype else None)
         fn = (torch.compile(model, backend="graphshard", fullgraph=True, options=dict(run.options))
@@ -165,6 +166,8 @@ WORLD4 = [
     TPRun("llama-2x2-bf16", "llama", (2, 2), param_dtype=torch.bfloat16,
           options=(("all_gather", "native"), ("reduce_scatter", "native"))),
     TPRun("qwen2-hybrid-2x1x2-fp32", "qwen2", (2, 1, 2)),
+    # DDP's layout over TP, as `graphshard plan` may choose it
+    TPRun("qwen2-no_shard-2x2-fp32", "qwen2", (2, 2), strategy="no_shard"),
     TPRun("llama-2x2-fp32-fsdp2", "llama", (2, 2), checkpointing=True, micro_batches=2,
           peer="fsdp2"),
     TPRun("llama-2x2-bf16-fsdp2", "llama", (2, 2), param_dtype=torch.bfloat16, peer="fsdp2"),
@@ -228,6 +231,17 @@ def test_qwen2_hybrid_shard_with_tp_on_a_3d_mesh_matches_one_process(world4):
     assert _max_diff(result["params"], ref["params"]) < FP32_TOL
     assert result["placements"]["model.layers.0.self_attn.q_proj.bias"] == \
         "(Replicate(), _StridedShard(dim=0, sf=2), Shard(dim=0))"
+
+
+def test_qwen2_no_shard_with_tp_matches_one_process(world4):
+    result = _result(world4, "qwen2-no_shard-2x2-fp32")
+    ref = reference("qwen2", 2)
+    assert _max_diff(result["params"], ref["params"]) < FP32_TOL
+    assert result["norms"] == pytest.approx(ref["norms"], rel=1e-5)
+    # replicated over dp, TP's piece whole on each of its ranks
+    assert result["placements"]["model.layers.0.self_attn.q_proj.weight"] == \
+        "(Replicate(), Shard(dim=0))"
+    assert result["placements"]["model.norm.weight"] == "(Replicate(), Replicate())"
 
 
 def test_llama_1x2_fp32_matches_one_process(world2):
