@@ -47,7 +47,8 @@ def test_a_hybrid_plan_read_from_its_file_sets_the_model_up_as_it_says(fake_pg, 
 
 @pytest.mark.parametrize("fake_pg", [8], indirect=True)
 def test_a_no_shard_plan_replicates_every_parameter(fake_pg):
-    """The planner's no_shard row (DDP's layout): every rank holds every parameter whole."""
+    """The planner's no_shard rows (DDP's layout): every rank holds every parameter whole, or
+    its TP piece whole over the data-parallel dim (DDP over TP)."""
     plan = {"shard": {"strategy": "no_shard", "mesh_shape": [8], "mesh_dim_names": ["dp"],
                       "tensor_parallel": 1},
             "options": {"bucket_mb": 25.0}, "activation_checkpointing": "none",
@@ -58,6 +59,18 @@ def test_a_no_shard_plan_replicates_every_parameter(fake_pg):
     weight = model.layers[0].attention.wq._parameters["weight"]
     assert isinstance(weight, DTensor) and weight.placements[0].is_replicate()
     assert weight.to_local().shape == weight.shape == (32, 32)
+
+    with_tp = {**plan, "shard": {**plan["shard"], "mesh_shape": [4, 2],
+                                 "mesh_dim_names": ["dp", "tp"], "tensor_parallel": 2}}
+    model, _, _ = build_model("llama", dim=64, n_layers=2, n_heads=4, n_kv_heads=2,
+                              vocab_size=64, ffn_hidden=128)
+    applied = graphshard.apply_plan(model, with_tp)
+    assert applied.mesh.mesh_dim_names == ("dp", "tp") and applied.mesh.shape == (4, 2)
+    weight = model.layers[0].attention.wq._parameters["weight"]  # colwise on tp, whole on dp
+    assert weight.placements[0].is_replicate() and weight.placements[1].is_shard(0)
+    assert weight.to_local().shape == (weight.shape[0] // 2, weight.shape[1])
+    norm = model.layers[0].attention_norm._parameters["weight"]  # not in the TP plan
+    assert norm.placements[0].is_replicate() and norm.placements[1].is_replicate()
 
 
 def test_a_plan_for_another_job_is_a_clear_error(fake_pg, tmp_path):

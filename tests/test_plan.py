@@ -317,8 +317,9 @@ def test_auto_keeps_as_many_blocks_beyond_the_default_as_the_device_memory_allow
     (["transformer", "--model-args", "dim", "--seq", "32", "--devices", "8", "--cluster", "h100",
       "--global-batch", "8"], r"--model-args: expected KEY=VALUE, got 'dim'"),
     ([*SMALL, "--devices", "8", "--cluster", "h100", "--global-batch", "8", "--strategies",
-      "full_shard,ddp"], r"--strategies takes full_shard, hybrid_shard, no_shard, comma-separated; "
-                         r"got 'full_shard,ddp'"),
+      "full_shard,ddp"], r"--strategies takes full_shard, hybrid_shard, no_shard, comma-separated "
+                         r"\(shard_grad_op is full_shard keeping every unit gathered: searched "
+                         r"with full_shard\); got 'full_shard,ddp'"),
     ([*SMALL, "--devices", "8", "--cluster", "h100", "--global-batch", "8", "--strategies",
       "hybrid_shard"], r"--strategies hybrid_shard: no such layout on 8 devices"),
 ])

@@ -21,7 +21,8 @@ from graphshard.tools import plan as planner
 def captures_once():
     """Each capture job once per module: a staged search beside its exhaustive twin asks for
     layouts the twin has captured (the same model, layout, knobs and cluster: the same
-    probes). Which layouts a search asks for is what these tests check, and that is unchanged."""
+    probes). Which layouts a search asks for is what these tests check, and that is unchanged.
+    The searches here run in this process (workers=1) and read the probes without changing them."""
     from graphshard.tools.plan import search
 
     done: dict = {}
@@ -221,3 +222,20 @@ def test_hybrid_layouts_whose_twin_computes_longer_than_the_best_step_are_not_ca
     for layout in left_out:
         assert search.compute_floor(layout, staged) >= staged[0].step_s
         assert min(c.step_s for c in every if c.layout == layout) >= staged[0].step_s
+
+
+def test_no_shard_is_left_out_where_its_state_alone_exceeds_the_device_memory():
+    """The bound needs no capture: the parameters any capture counted, their fp32 master and
+    AdamW's two moments (12 bytes each) over the TP degree, whole on every device."""
+    from types import SimpleNamespace
+
+    from graphshard.tools.plan.search import NO_SHARD_STATE_BYTES, _not_oversized
+
+    stage = planner.layouts(8, 8, 8, ("none",), ("bfloat16",), tp_sizes=(1, 2))
+    captured = [SimpleNamespace(trainable_params=1e9)]  # a full_shard capture's count
+    state = 1e9 * NO_SHARD_STATE_BYTES
+    between = dataclasses.replace(PRESETS["h100"], device_memory_bytes=0.75 * state)
+    kept = _not_oversized(stage, captured, between)
+    assert {(layout.strategy, layout.tp) for layout in stage if layout not in kept} == {
+        ("no_shard", 1)}  # TP 2 halves the state: 0.5 of it fits in 0.75
+    assert _not_oversized(stage, [], between) == stage  # nothing captured yet: nothing known

@@ -51,10 +51,10 @@ def _parser() -> argparse.ArgumentParser:
                    help="strategies to try: full_shard (and shard_grad_op, its option to keep "
                         "every unit gathered), hybrid_shard, no_shard (DDP's layout); default: all")
     p.add_argument("--exhaustive", action="store_true",
-                   help="capture every layout: hybrid shard groups with every layout, not only "
-                        "with the best three full_shard ones, and a slower dtype's layouts even "
-                        "where their matmuls alone outlast the best step found (several times "
-                        "slower on clusters of many nodes)")
+                   help="capture every layout: hybrid shard groups and no_shard with every "
+                        "layout, not only with the best three full_shard ones, and a slower "
+                        "dtype's layouts even where their matmuls alone outlast the best step "
+                        "found (several times slower on clusters of many nodes)")
     p.add_argument("--top", type=int, default=10, help="rows of the table")
     p.add_argument("--out", default="graphshard_plan.json", help="the best configuration (JSON)")
     p.add_argument("--json", help="every configuration tried, best first")

@@ -66,7 +66,7 @@ def plan(target: str, devices: int, cluster, global_batch: int, seq: int, *,
     micro-batch) and the layouts those outran, the least compute first and left out likewise
     (and by `_not_outcomputed`): both trade memory for traffic around a layout that already
     fits and runs fast, and hybrid groups are most of the layouts on a cluster of many nodes.
-    `exhaustive` (or `strategies` without full_shard): every layout."""
+    `exhaustive`: every layout."""
     model_args = dict(model_args or {})
     check_plan_input(devices, cluster, global_batch)
     if "float8" in dtypes and cluster.float8_flops_per_s is None:
@@ -88,18 +88,21 @@ def plan(target: str, devices: int, cluster, global_batch: int, seq: int, *,
             "them, trains an equal share): use a multiple of the device count")
     unknown = sorted(set(strategies) - set(STRATEGIES))
     if unknown or not strategies:
-        raise PlanError(f"--strategies takes {', '.join(STRATEGIES)}, comma-separated; got "
-                        f"{','.join(strategies)!r}")
+        raise PlanError(f"--strategies takes {', '.join(STRATEGIES)}, comma-separated (shard_grad_op "
+                        "is full_shard keeping every unit gathered: searched with full_shard); "
+                        f"got {','.join(strategies)!r}")
     candidates = layouts(devices, cluster.devices_per_node, global_batch, ac_modes, dtypes,
                          tp_sizes, strategies)
     if not candidates:
         raise PlanError(f"--strategies {','.join(strategies)}: no such layout on {devices} "
                         "devices (hybrid_shard needs several nodes' worth of devices, no_shard "
                         "more than one data-parallel rank)")
-    exhaustive = exhaustive or "full_shard" not in strategies  # no full_shard twins to stage on
-    # hybrid shard groups and no_shard: full_shard's twins that hold more, to move less
+    # hybrid shard groups and no_shard: full_shard's twins that hold more, to move less; with
+    # no full_shard to stage them on, they are the first stage themselves
+    twins = "full_shard" in strategies
     replicated = [layout for layout in candidates if layout.strategy != "full_shard"]
-    first = candidates if exhaustive else [c for c in candidates if c.strategy == "full_shard"]
+    first = candidates if exhaustive or not twins else [
+        c for c in candidates if c.strategy == "full_shard"]
     configs: list[Config] = []
     skipped: list[str] = []  # why a layout could not be captured (its TP degree)
     step_flops: dict[tuple, float] = {}  # (tp, ac): one device's matmul FLOPs in a step
@@ -163,14 +166,14 @@ def plan(target: str, devices: int, cluster, global_batch: int, seq: int, *,
                     if auto is not None:
                         configs.append(auto)
 
-    progress(f"up to {len(first)} {'' if exhaustive else 'full_shard '}layouts x "
+    progress(f"up to {len(first)} {'' if exhaustive or not twins else 'full_shard '}layouts x "
              f"{len(probe_sizes)} captures, {len(knobs)} option sets each, on {workers} process(es)")
     with capture_pool(workers) as pool:
         # the dtypes with the fastest matmuls first: a slower dtype's layouts are captured
         # only where their matmuls alone could still beat the best step found
         for peak in sorted({matmul_peak(layout, cluster) for layout in first}, reverse=True):
             evaluate([[layout for layout in first if matmul_peak(layout, cluster) == peak]])
-        if replicated and not exhaustive:
+        if replicated and twins and not exhaustive:
             best = best_layouts(configs, HYBRID_TRIED_FOR)
             # and what those outran: a hybrid or no_shard layout holds more memory than its
             # full_shard twin, so where the faster one does not fit, the slower one may win
