@@ -322,6 +322,9 @@ def test_auto_keeps_as_many_blocks_beyond_the_default_as_the_device_memory_allow
                          r"with full_shard\); got 'full_shard,ddp'"),
     ([*SMALL, "--devices", "8", "--cluster", "h100", "--global-batch", "8", "--strategies",
       "hybrid_shard"], r"--strategies hybrid_shard: no such layout on 8 devices"),
+    (["llama3-8b", "--seq", "128", "--devices", "2", "--cluster", "local", "--global-batch", "2",
+      "--ac", "none", "--dtypes", "bf16", "--tp", "1", "--strategies", "no_shard", "--model-args",
+      "n_layers=4"], r"fits in no configuration .* or let --strategies include full_shard"),
 ])
 def test_bad_input_is_one_clear_line(capsys, argv, message):
     assert planner.main([*argv, "--quiet"]) == 2

@@ -119,9 +119,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         progress = (lambda m: None) if args.quiet else (lambda m: print(f"graphshard plan {m}",
                                                                         file=sys.stderr, flush=True))
         started = time.perf_counter()
+        strategies = [name.strip() for name in args.strategies.split(",")]
         configs = plan(args.target, args.devices, cluster, args.global_batch, args.seq,
                        model_args=model_args, ac_modes=ac_modes, dtypes=dtypes,
-                       tp_sizes=tp_sizes, strategies=[s.strip() for s in args.strategies.split(",")],
+                       tp_sizes=tp_sizes, strategies=strategies,
                        workers=args.jobs, progress=progress,
                        exhaustive=args.exhaustive)
         took = time.perf_counter() - started
@@ -132,7 +133,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                 f"{human_bytes(cluster.device_memory_bytes)}: the smallest peak is "
                 f"{human_bytes(smallest.peak_memory_bytes)} per device "
                 f"({human_bytes(smallest.peak_memory_bytes - cluster.device_memory_bytes)} too "
-                "much); use more devices or a smaller micro-batch")
+                "much); use more devices or a smaller micro-batch"
+                + ("" if "full_shard" in strategies else ", or let --strategies include full_shard"))
     except (PlanError, DumpError, ValueError) as e:
         print(f"graphshard plan: error: {e}", file=sys.stderr)
         return USAGE_ERROR
