@@ -12,7 +12,8 @@ tensors: no weights, no GPU), then searches:
 
 - layout (each needs its own capture): strategy (full_shard over all devices, hybrid_shard
   with every shard-group size that divides the device count and is whole nodes: one node or
-  several, or no_shard: DDP's layout, every parameter whole on each device), activation checkpointing of the repeated blocks (`--ac`: none, full, selective, the
+  several, or no_shard: DDP's layout, every parameter whole on each device), activation
+  checkpointing of the repeated blocks (`--ac`: none, full, selective, the
   values `graphshard dump --ac` takes), parameter dtype (bf16 with fp32 reduction, or fp32),
   micro-batch size (accumulating to the global batch);
 - options (only the passes and the estimate run again): which units stay gathered from forward

@@ -107,7 +107,7 @@ class Config:
         return kwargs
 
     def options(self, budget_mb: float | None) -> dict:
-        if self.layout.strategy == "no_shard":  # nothing gathered: only the buckets to size
+        if self.layout.replicated:  # nothing gathered: only the buckets to size
             return {"bucket_mb": self.knobs.bucket_mb}
         options: dict[str, Any] = {"prefetch": self.knobs.prefetch, "bucket_mb": self.knobs.bucket_mb}
         if self.knobs.keep == "all" and self.layout.strategy == "hybrid_shard":

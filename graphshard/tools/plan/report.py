@@ -23,7 +23,7 @@ def table(configs: Sequence[Config], devices: int, cluster, top: int) -> str:
     for rank, c in enumerate(configs[:top], 1):
         keep = KEEP_LABELS.get(c.knobs.keep) or f"{c.kept_blocks} blocks"
         prefetch = c.knobs.prefetch
-        if c.layout.strategy == "no_shard":  # every parameter whole: nothing gathered
+        if c.layout.replicated:  # every parameter whole: nothing gathered
             keep = prefetch = "-"
         rows.append([
             rank, c.strategy_name, "x".join(map(str, c.mesh_shape(devices))), c.layout.tp,

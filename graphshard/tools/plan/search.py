@@ -88,9 +88,9 @@ def plan(target: str, devices: int, cluster, global_batch: int, seq: int, *,
             "them, trains an equal share): use a multiple of the device count")
     unknown = sorted(set(strategies) - set(STRATEGIES))
     if unknown or not strategies:
-        raise PlanError(f"--strategies takes {', '.join(STRATEGIES)}, comma-separated (shard_grad_op "
-                        "is full_shard keeping every unit gathered: searched with full_shard); "
-                        f"got {','.join(strategies)!r}")
+        raise PlanError(f"--strategies takes {', '.join(STRATEGIES)}, comma-separated "
+                        "(shard_grad_op is full_shard keeping every unit gathered: searched with "
+                        f"full_shard); got {','.join(strategies)!r}")
     candidates = layouts(devices, cluster.devices_per_node, global_batch, ac_modes, dtypes,
                          tp_sizes, strategies)
     if not candidates:
@@ -250,9 +250,9 @@ def compute_floor(layout: Layout, configs: list[Config]) -> float:
     """At most any step of the hybrid or no_shard `layout`: the model's own compute in its
     full_shard twin (the same TP degree, checkpointing, dtype and micro-batch), the least of its
     option sets; or in a twin whose key outruns `layout`'s (`_outruns`), whose layout of the
-    same strategy and shard groups is no slower than `layout`. The model's nodes and their shapes are the same in
-    both strategies; only graphshard's own (casts, padding, bucket copies, collectives) differ
-    with the shard groups, and they are left out. 0 for a full_shard layout, and where no such
+    same strategy and shard groups is no slower than `layout`. The model's nodes and their
+    shapes are the same in both strategies; only graphshard's own (casts, padding, bucket
+    copies, collectives) differ with the shard groups, and they are left out. 0 for a full_shard layout, and where no such
     twin was captured."""
     if layout.strategy == "full_shard":
         return 0.0
@@ -296,7 +296,7 @@ def _not_oversized(stage: list[Layout], configs: list[Config], cluster) -> list[
     params = max((config.trainable_params for config in configs), default=0.0)
     if limit is None or not params:
         return list(stage)
-    return [layout for layout in stage if layout.strategy != "no_shard"
+    return [layout for layout in stage if not layout.replicated
             or params / layout.tp * NO_SHARD_STATE_BYTES <= limit]
 
 

@@ -17,13 +17,19 @@ class Layout:
     """What needs its own capture."""
 
     strategy: str  # "full_shard", "hybrid_shard" or "no_shard" (DDP's layout)
-    shard_size: int  # ranks per shard group (all data-parallel ranks for full_shard, 1 for no_shard)
+    # ranks per shard group: all data-parallel ranks for full_shard, 1 for no_shard
+    shard_size: int
     ac: str  # activation checkpointing: "none", "full", "selective"
     # "bfloat16" (fp32 reduction), "float32", or "float8": torchao's float8 training of the
     # Linears it can convert, their weights gathered in float8, the rest bfloat16
     param_dtype: str
     micro_batch: int  # per data-parallel rank (its TP ranks share it)
     tp: int = 1  # tensor-parallel degree, within a node; shard_size counts data-parallel ranks
+
+    @property
+    def replicated(self) -> bool:
+        """no_shard: every parameter (its TP piece) whole on each device, nothing gathered."""
+        return self.strategy == "no_shard"
 
 
 @dataclass(frozen=True)
@@ -43,7 +49,7 @@ def knobs_for(layout: Layout, knobs: Sequence[Knobs]) -> tuple[Knobs, ...]:
     """The option sets that differ on `layout`: no_shard gathers nothing, so which units stay
     gathered and how far ahead they are gathered change nothing there; only the size of its
     gradient buckets does (one option set per bucket size: the first that names it)."""
-    if layout.strategy != "no_shard":
+    if not layout.replicated:
         return tuple(knobs)
     by_bucket: dict[float, Knobs] = {}
     for knob in knobs:
