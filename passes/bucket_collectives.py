@@ -29,7 +29,10 @@ units, as DDP's do: every gradient is held until the optimizer step anyway, so a
 spans units keeps nothing alive longer, and each collective saves its latency and the ranks'
 meeting. Such a bucket closes at the cap in the order backward produces the gradients, and
 ATen packs it (`graphshard::concat`) where it is issued: as a fused concatenation, Inductor
-would allocate it with its first gradient, at the activations' peak.
+would allocate it with its first gradient, at the activations' peak. The cap for these is also
+at most a quarter of the graph's gradient bytes (never under 1 MiB, DDP's first bucket): one
+bucket holding every gradient is issued after backward's last one and overlaps nothing, while
+with four or more only the last, at most a quarter of the traffic, is left to wait for.
 """
 
 from __future__ import annotations
@@ -80,6 +83,8 @@ class Bucket:
 
 
 STEP_BUCKETS = "<step>"  # the unit label of gradient all-reduce buckets that span units
+SPANNING_BUCKETS_AT_LEAST = 4  # buckets spanning units: the cap is at most 1/4 of the bytes
+SMALLEST_SPANNING_CAP = 2**20  # ... but never under DDP's first bucket (1 MiB)
 
 
 def _unit_label(node: fx.Node) -> str | None:
@@ -134,12 +139,14 @@ def plan_buckets(gm: fx.GraphModule, cap_bytes: float,
     buckets: list[Bucket] = []
     for run in runs:
         # a unit's bucket is cut in packing order; one spanning units, as gradients come
-        cut_key = order.__getitem__ if run.unit == STEP_BUCKETS else packing_key
+        spanning_run = run.unit == STEP_BUCKETS
+        cut_key = order.__getitem__ if spanning_run else packing_key
         members = sorted(run.members, key=cut_key)
+        cap = _spanning_cap(cap_bytes, run.nbytes) if spanning_run else cap_bytes
         current = Bucket(run.kind, run.unit)
         for member in members:
             size = unsharded_bytes(member)
-            if current.members and cap_bytes and current.nbytes + size > cap_bytes:
+            if current.members and cap and current.nbytes + size > cap:
                 buckets.append(current)
                 current = Bucket(run.kind, run.unit)
             current.members.append(member)
@@ -147,6 +154,13 @@ def plan_buckets(gm: fx.GraphModule, cap_bytes: float,
     for bucket in buckets:
         bucket.members.sort(key=packing_key)
     return buckets
+
+
+def _spanning_cap(cap_bytes: float, run_bytes: int) -> float:
+    """The cap of gradient buckets that span units (see the module docstring): small enough
+    that backward's last bucket is not all of the traffic, large enough to cost few meetings."""
+    overlapping = max(SMALLEST_SPANNING_CAP, run_bytes / SPANNING_BUCKETS_AT_LEAST)
+    return min(cap_bytes, overlapping) if cap_bytes else 0
 
 
 def _reduce_op(node: fx.Node) -> str | None:

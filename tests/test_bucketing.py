@@ -170,14 +170,20 @@ class _UsedOutOfOrder(torch.nn.Module):
     """Six equal blocks, run in an order that is not their registration order."""
     USE = (3, 0, 5, 1, 4, 2)
 
-    def __init__(self):
+    def __init__(self, width: int = 32):
         super().__init__()
-        self.layers = torch.nn.ModuleList(torch.nn.Linear(32, 32) for _ in self.USE)
+        self.layers = torch.nn.ModuleList(torch.nn.Linear(width, width) for _ in self.USE)
 
     def forward(self, x):
         for index in self.USE:
             x = torch.tanh(self.layers[index](x))
         return x
+
+
+def _backward_graph(model, strategy, **kw):
+    width = model.layers[0].in_features
+    return capture_step(model, (torch.randn(4, width),), lambda out, x: out.sum(),
+                        strategy=strategy, **kw)[("backward", "bucketed")]
 
 
 @pytest.mark.parametrize("fake_pg", [8], indirect=True)
@@ -190,14 +196,10 @@ def test_no_shard_gradient_buckets_span_units_and_close_in_backward_order(fake_p
     reduce-scatter bucket, read whole."""
     from torch.distributed.device_mesh import init_device_mesh
 
-    def backward_graph(model, strategy, **kw):
-        return capture_step(model, (torch.randn(4, 32),), lambda out, x: out.sum(),
-                            strategy=strategy, **kw)[("backward", "bucketed")]
-
-    (whole,) = call_nodes(backward_graph(_UsedOutOfOrder(), "no_shard"), ALL_REDUCE)
+    (whole,) = call_nodes(_backward_graph(_UsedOutOfOrder(), "no_shard"), ALL_REDUCE)
     assert {block_of(p) for p in collective_params(whole)} == {f"layers.{i}" for i in range(6)}
     block_bytes = 33 * 32 * 4
-    bwd = backward_graph(_UsedOutOfOrder(), "no_shard", options={"bucket_mb": 2 * block_bytes / MB})
+    bwd = _backward_graph(_UsedOutOfOrder(), "no_shard", options={"bucket_mb": 2 * block_bytes / MB})
     buckets = call_nodes(bwd, ALL_REDUCE)
     finished = [f"layers.{i}" for i in reversed(_UsedOutOfOrder.USE)]
     assert [sorted({block_of(p) for p in collective_params(b)}) for b in buckets] == [
@@ -209,6 +211,33 @@ def test_no_shard_gradient_buckets_span_units_and_close_in_backward_order(fake_p
                           shard_kwargs={"mesh": init_device_mesh("cpu", (2, 4))})[("backward", "bucketed")]
     units = [{block_of(p) for p in collective_params(c)} for c in call_nodes(hybrid, ALL_REDUCE)]
     assert len(units) > 1 and all(len(unit) == 1 for unit in units)
+
+
+@pytest.mark.parametrize("fake_pg", [8], indirect=True)
+def test_no_shard_leaves_at_most_a_quarter_of_the_gradients_to_all_reduce_after_backward(fake_pg):
+    """Under the default cap (64 MiB), gradients of 6.3 MiB in all are all-reduced in buckets
+    of at most a quarter of them, in the order backward produces them: the first is issued
+    while backward still computes the last. Gradients of 1.5 MiB keep buckets of 1 MiB (DDP's
+    first), not four latency-bound ones."""
+    model = _UsedOutOfOrder(width=512)
+    total = sum(p.numel() * p.element_size() for p in model.parameters())
+    bwd = _backward_graph(model, "no_shard")
+    buckets = call_nodes(bwd, ALL_REDUCE)
+    sizes = [b.args[0].meta["val"].numel() * 4 for b in buckets]
+    assert len(buckets) >= 4 and max(sizes) <= total / 4 and sum(sizes) == total, sizes
+    finished = [f"layers.{i}" for i in reversed(_UsedOutOfOrder.USE)]
+    first_bucket_of = {}
+    for index, bucket in enumerate(buckets):
+        for param in collective_params(bucket):
+            first_bucket_of.setdefault(block_of(param), index)
+    assert sorted(finished, key=first_bucket_of.__getitem__) == finished
+    order = node_order(bwd.graph)
+    assert order[buckets[0]] < order[buckets[-1].args[0]]  # issued before the last is packed
+
+    small = _UsedOutOfOrder(width=256)  # 6 x 257 KiB
+    sizes = [b.args[0].meta["val"].numel() * 4
+             for b in call_nodes(_backward_graph(small, "no_shard"), ALL_REDUCE)]
+    assert len(sizes) == 2 and max(sizes) <= MB < sum(sizes), sizes
 
 
 @pytest.mark.parametrize("fake_pg, strategy, options", [
