@@ -143,13 +143,14 @@ def plan_buckets(gm: fx.GraphModule, cap_bytes: float,
         cut_key = order.__getitem__ if spanning_run else packing_key
         members = sorted(run.members, key=cut_key)
         cap = _spanning_cap(cap_bytes, run.nbytes) if spanning_run else cap_bytes
-        current = Bucket(run.kind, run.unit)
+        current, filled = Bucket(run.kind, run.unit), 0
         for member in members:
             size = unsharded_bytes(member)
-            if current.members and cap and current.nbytes + size > cap:
+            if current.members and cap and filled + size > cap:
                 buckets.append(current)
-                current = Bucket(run.kind, run.unit)
+                current, filled = Bucket(run.kind, run.unit), 0
             current.members.append(member)
+            filled += size
         buckets.append(current)
     for bucket in buckets:
         bucket.members.sort(key=packing_key)
