@@ -160,8 +160,7 @@ def plan_buckets(gm: fx.GraphModule, cap_bytes: float,
 def _spanning_cap(cap_bytes: float, run_bytes: int) -> float:
     """The cap of gradient buckets that span units (see the module docstring): small enough
     that backward's last bucket is not all of the traffic, large enough to cost few meetings."""
-    overlapping = max(SMALLEST_SPANNING_CAP, run_bytes / SPANNING_BUCKETS_AT_LEAST)
-    return min(cap_bytes, overlapping) if cap_bytes else 0
+    return min(cap_bytes, max(SMALLEST_SPANNING_CAP, run_bytes / SPANNING_BUCKETS_AT_LEAST))
 
 
 def _reduce_op(node: fx.Node) -> str | None:

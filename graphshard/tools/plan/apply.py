@@ -30,8 +30,9 @@ def apply_plan(model: nn.Module, plan: str | os.PathLike | dict,
     convert the model to torchao's float8 training where the plan says float8, checkpoint its
     repeated blocks, apply its tensor-parallel plan on mesh["tp"] where the plan has TP, and
     shard it over the data-parallel dims. `plan`: a path to the JSON, or the loaded dict (a
-    single configuration, or `--json`'s {"configs": [...]}, whose best is taken); rank 0's is every rank's. `device_type`: the
-    mesh's; by default the model's parameters' ("cuda" for a meta model where there is a GPU).
+    single configuration, or `--json`'s {"configs": [...]}, whose best is taken); rank 0's is
+    every rank's. `device_type`: the mesh's; by default the model's parameters' ("cuda" for a
+    meta model where there is a GPU).
     Call it on every rank, after init_process_group and before torch.compile. A plan that does
     not fit this job is a ValueError on every rank, before the model is changed."""
     import torch.distributed as dist

@@ -134,7 +134,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                 f"{human_bytes(smallest.peak_memory_bytes)} per device "
                 f"({human_bytes(smallest.peak_memory_bytes - cluster.device_memory_bytes)} too "
                 "much); use more devices or a smaller micro-batch"
-                + ("" if "full_shard" in strategies else ", or let --strategies include full_shard"))
+                + ("" if "full_shard" in strategies
+                   else ", or let --strategies include full_shard"))
     except (PlanError, DumpError, ValueError) as e:
         print(f"graphshard plan: error: {e}", file=sys.stderr)
         return USAGE_ERROR

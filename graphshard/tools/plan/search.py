@@ -252,8 +252,8 @@ def compute_floor(layout: Layout, configs: list[Config]) -> float:
     option sets; or in a twin whose key outruns `layout`'s (`_outruns`), whose layout of the
     same strategy and shard groups is no slower than `layout`. The model's nodes and their
     shapes are the same in both strategies; only graphshard's own (casts, padding, bucket
-    copies, collectives) differ with the shard groups, and they are left out. 0 for a full_shard layout, and where no such
-    twin was captured."""
+    copies, collectives) differ with the shard groups, and they are left out. 0 for a
+    full_shard layout, and where no such twin was captured."""
     if layout.strategy == "full_shard":
         return 0.0
     twins: dict[tuple, float] = {}
