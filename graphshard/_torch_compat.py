@@ -105,8 +105,8 @@ def inductor_partition(joint: fx.GraphModule, joint_inputs, **kwargs):
 
 def inductor_compile_graph(gm: fx.GraphModule, example_inputs: Sequence[Any], graph_kind: str):
     """Inductor on one already-partitioned graph, without its peak-memory reordering: that pass
-    knows nothing of collectives, and shard sizes differ by rank (uneven shards), so it could
-    undo our schedule or order collectives differently on different ranks (a hang). Also
+    knows nothing of collectives, so it could undo our schedule, and where graphs differ by
+    rank order collectives differently on different ranks (a hang). Also
     without its buffer reuse, which keeps a dead buffer allocated until a later buffer of the
     same size takes it over, wherever its own estimate of the peak allows: that estimate sees
     neither a collective's buffers nor the saved activations a backward frees as it goes, so in
@@ -369,6 +369,18 @@ def sharded_like(param, local: torch.Tensor):
         return DTensor.from_local(local, param.device_mesh, param.placements, run_check=False,
                                   shape=param.shape, stride=param.stride())
     return DTensor(local, param._spec, requires_grad=False)
+
+
+def set_local_tensor(param, local: torch.Tensor) -> None:
+    """Make the DTensor `param` hold `local` (its dtype, device and local shape; other storage)
+    as its local shard, the parameter object and its global metadata unchanged. Public
+    replacement: torch.utils.swap_tensors with a new DTensor, which also swaps the autograd
+    metadata (hooks, the optimizer's identity checks) that must stay."""
+    old = param._local_tensor
+    if (local.dtype, local.device, local.shape) != (old.dtype, old.device, old.shape):
+        raise ValueError(f"graphshard: a local shard {tuple(local.shape)} {local.dtype} cannot "
+                         f"replace {tuple(old.shape)} {old.dtype}")
+    param._local_tensor = local
 
 
 def wrapper_tensor(cls: type, like: torch.Tensor) -> torch.Tensor:

@@ -103,8 +103,11 @@ def _ensure_leaves(model: nn.Module, sync: GradSync, partial: bool) -> None:
     for param, spec in sharded_params(model):
         if param.requires_grad and spec.name not in leaves:
             local = param.to_local()
-            shape = local.shape if partial else torch.Size((spec.full_dim0, *local.shape[1:])
-                                                           if local.dim() else ())
+            # a partial sum has the shape of the (padded) shard the graph reads
+            shape = local.shape
+            if local.dim():
+                rows = (spec.graph_rows or local.shape[0]) if partial else spec.full_dim0
+                shape = torch.Size((rows, *local.shape[1:]))
             leaves[spec.name] = _accumulation_leaf(shape, spec.reduce_dtype or param.dtype,
                                                    local.device)
 
@@ -123,6 +126,7 @@ def _reduce_accumulated(model: nn.Module, sync: GradSync, partial: bool) -> None
         local_dim0 = local.shape[0] if local.dim() else 0
         if partial:  # already reduce-scattered in the shard group: all-reduce across replicas
             reduced = _reduce(leaf.grad, local_dim0, spec, slice(1, None), False, local.dtype)
+            reduced = reduced[:local_dim0] if local.dim() else reduced  # the graph's padding
         else:
             reduced = _reduce(leaf.grad, local_dim0, spec, slice(None), spec.scatter, local.dtype)
         leaf.grad = None

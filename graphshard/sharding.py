@@ -50,7 +50,7 @@ def bind_local_shards(model: nn.Module) -> None:
         for name in record.specs:
             param = module._parameters[name]
             if id(param) not in bound:
-                bound[id(param)] = bind_local_shard(param)
+                bound[id(param)] = bind_local_shard(param, record.specs[name].graph_rows)
             shards[name] = bound[id(param)]
         record.shards = shards
 

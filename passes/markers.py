@@ -83,6 +83,15 @@ class UnshardSpec(_MarkerArgs):
         """as_args() with the grad mode of this read (Dynamo traces the mode as a constant)."""
         return self._args_by_grad_mode[torch.is_grad_enabled()]
 
+    @property
+    def graph_rows(self) -> int | None:
+        """Rows of the shard a compiled graph reads: every rank's shard padded to the largest
+        (torch.chunk's first), so uneven shards give every rank one graph; None where the
+        parameter is not cut along dim 0."""
+        if not self.scatter or self.gather_size == 1:
+            return None
+        return -(-self.full_dim0 // self.gather_size)  # graph_utils.dim0_chunk
+
     def reduce_spec(self, local_dim0: int, out_dtype: torch.dtype) -> "ReduceSpec":
         """The reduction of this parameter's gradient (the unshard's backward)."""
         return ReduceSpec(local_dim0, self.reduce_groups, self.reduce_sizes, self.scatter,

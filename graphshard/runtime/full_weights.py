@@ -57,7 +57,7 @@ def setattr_sharded(self, name: str, value) -> None:
                          where=f"{type(self).__name__}.{name}")
     plain_class(self).__setattr__(self, name, value)
     if name in specs and isinstance(value, DTensor):
-        record.shards[name] = bind_local_shard(value)
+        record.shards[name] = bind_local_shard(value, specs[name].graph_rows)
 
 
 def _tie(module: nn.Module, name: str, read: GatheredWeight) -> None:
@@ -86,10 +86,10 @@ def load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missi
         state_dict.update(given)
     if assigned:
         missing_keys[:] = [key for key in missing_keys if key not in assigned]
-        shards = module_shards(self).shards
-        for name in shards:
-            if shards[name].param is not self._parameters[name]:
-                shards[name] = bind_local_shard(self._parameters[name])
+        record = module_shards(self)
+        for name, shard in record.shards.items():
+            if shard.param is not self._parameters[name]:
+                record.shards[name] = bind_local_shard(self._parameters[name], shard.rows)
 
 
 def _to_this_rank(module: nn.Module, state_dict, prefix: str, local_metadata: dict,
