@@ -275,6 +275,20 @@ def compile_caches_enabled() -> bool:
             and not torch.compiler.config.force_disable_caches)
 
 
+def aot_cache_bypass_reason(gm) -> str | None:
+    """Why AOTAutograd's cache would not store a compile of the Dynamo graph `gm` (an op it
+    cannot key: selective activation checkpointing's policy, an autograd.Function), or None.
+    Public replacement: none (torch._functorch._aot_autograd.autograd_cache)."""
+    from torch._functorch._aot_autograd import autograd_cache
+
+    try:
+        autograd_cache.check_cacheable(gm)
+        autograd_cache._collect_context_fn_hashes(gm)  # a policy without a cache_hash
+    except autograd_cache.BypassAOTAutogradCache as exc:
+        return str(exc)
+    return None
+
+
 def compile_counters() -> dict:
     """Dynamo/Inductor/AOTAutograd counters (graphs, graph breaks, cache hits and misses) for the
     bench. Public replacement: none (torch._dynamo.utils.counters)."""

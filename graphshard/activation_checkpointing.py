@@ -40,6 +40,11 @@ def selective_context():
     return create_selective_checkpoint_contexts(list(SAVED_OPS))
 
 
+# What AOTAutograd's cache keys a selective-AC graph by (without it, it stores none, and each
+# rank of a host compiles its own): the policy is SAVED_OPS, nothing else.
+selective_context.cache_hash = "graphshard-selective:" + ",".join(str(op) for op in SAVED_OPS)
+
+
 def _checkpointed(context_fn, forward, *args, **kwargs):
     if context_fn is None:  # full: Dynamo traces checkpoint's default context, not a named one
         return checkpoint(forward, *args, use_reentrant=False, **kwargs)

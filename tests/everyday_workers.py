@@ -72,12 +72,16 @@ def _shards(module: nn.Module) -> dict | None:
 
 
 def _leaves_bound(model: nn.Module) -> bool:
-    """Every local-shard leaf is bound to its module's current parameter and shares its storage."""
+    """Every local-shard leaf is bound to its module's current parameter and shares its storage
+    (a leaf padded to the first rank's rows reads the parameter's rows first: its storage, its
+    offset; an empty parameter's data_ptr() is 0 whatever its storage)."""
     for module in model.modules():
         for name, shard in (_shards(module) or {}).items():
             param, leaf = module._parameters[name], shard.leaf
-            if shard.param is not param or (
-                    leaf.numel() and leaf.data_ptr() != param.to_local().data_ptr()):
+            local = param.to_local()
+            if shard.param is not param or (leaf.numel() and (
+                    leaf.untyped_storage().data_ptr() != local.untyped_storage().data_ptr()
+                    or leaf.storage_offset() != local.storage_offset())):
                 return False
     return True
 

@@ -164,3 +164,66 @@ def test_auto_reshard_compiles_once_per_host_and_its_choice_is_this_jobs(tmp_pat
     assert (again[1]["autograd_cache_hit"], again[1]["autograd_cache_miss"]) == (1, 0), again[1]
     for rerun, run in zip(sorted(again, key=lambda r: r["losses"]), sorted(once, key=lambda r: r["losses"])):
         assert rerun["losses"] == run["losses"]
+
+
+def _policy_without_cache_hash():
+    import functools
+
+    from torch.utils.checkpoint import create_selective_checkpoint_contexts
+
+    return functools.partial(create_selective_checkpoint_contexts, [torch.ops.aten.mm.default])
+
+
+_NO_CACHE_HASH = _policy_without_cache_hash()
+
+
+class _UserSelectiveGPT(TinyGPT):
+    """TinyGPT's blocks under a selective-AC policy of the user's that names no cache_hash."""
+
+    def __init__(self):
+        super().__init__("none")
+
+    def forward(self, tokens):
+        from torch.utils.checkpoint import checkpoint
+
+        h = self.emb(tokens)
+        for block in self.blocks:
+            h = checkpoint(block, h, use_reentrant=False, context_fn=_NO_CACHE_HASH)
+        return self.head(self.norm(h))
+
+
+@pytest.mark.parametrize("checkpointing, bypassed", [
+    ("none", False), ("graphshard selective", False), ("user selective", True),
+    ("no_sync", True)])
+def test_a_graph_aotautograds_cache_cannot_store_is_compiled_by_every_rank(
+        fake_pg, checkpointing, bypassed):
+    """One compile per host only where AOTAutograd's cache stores the graph: a rank that waited
+    for the claimant would otherwise compile after it, not instead. graphshard's selective
+    policy carries a cache_hash (stored); a user's policy without one, and the no-sync
+    accumulation's autograd.Function, are not, and each rank compiles them at once."""
+    import graphshard
+    from graphshard.compiler.backend import GraphshardCompiler
+    from graphshard.compiler.host_compile import per_rank_compile_reason
+    from graphshard.compiler.options import GraphshardOptions
+
+    torch.manual_seed(0)
+    model = _UserSelectiveGPT() if checkpointing == "user selective" else TinyGPT("none")
+    if checkpointing == "graphshard selective":
+        graphshard.apply_activation_checkpointing(model, "selective")
+    graphshard.shard(model)
+    options = GraphshardOptions.from_dict({"compiler": "eager"})
+    compiler = GraphshardCompiler(options)
+    (tokens,) = gpt_data(0, batch=2)
+    compiled = torch.compile(model, backend=compiler, fullgraph=True)
+    if checkpointing == "no_sync":
+        with graphshard.no_sync(model):
+            zoo_loss(compiled(tokens), tokens).backward()
+    else:
+        zoo_loss(compiled(tokens), tokens).backward()
+    torch._dynamo.reset()
+    assert (compiler.cache_bypass is not None) == bypassed, compiler.cache_bypass
+    inductor = GraphshardOptions.from_dict({})
+    reason = per_rank_compile_reason(inductor, cached=True, bypass=compiler.cache_bypass)
+    assert (reason is not None) == bypassed
+    if bypassed:
+        assert reason.startswith("AOTAutograd's cache cannot store this graph ("), reason

@@ -65,15 +65,25 @@ class GPTBlock(nn.Module):
         return x + self.down(F.gelu(self.up(self.norm2(x))))
 
 
-def _selective_policy():
+def _save_matmuls_policy():
     # Save matmul outputs, recompute everything else (the usual selective-AC policy).
     import functools
 
     from torch.utils.checkpoint import create_selective_checkpoint_contexts
 
-    return functools.partial(create_selective_checkpoint_contexts,
-                             [torch.ops.aten.mm.default, torch.ops.aten.addmm.default,
-                              torch.ops.aten.bmm.default])
+    policy = functools.partial(create_selective_checkpoint_contexts,
+                               [torch.ops.aten.mm.default, torch.ops.aten.addmm.default,
+                                torch.ops.aten.bmm.default])
+    # what AOTAutograd's cache keys the policy by: cached, the ranks of a host compile once
+    policy.cache_hash = "tests-selective-mm-addmm-bmm"
+    return policy
+
+
+_SAVE_MATMULS = _save_matmuls_policy()
+
+
+def _selective_policy():
+    return _SAVE_MATMULS
 
 
 class TinyGPT(nn.Module):

@@ -51,6 +51,8 @@ class GraphshardCompiler:
         self.training_graphs = 0  # joint graphs partitioned (one per Dynamo graph)
         self.state_bytes: int | None = None
         self.graph_memory: dict[str, MemoryEstimate] = {}
+        # why AOTAutograd's cache would not store the Dynamo graph compiled last (None: it would)
+        self.cache_bypass: str | None = None
 
     @property
     def predicted_peak_bytes(self) -> int | None:
@@ -143,7 +145,8 @@ class GraphshardCompiler:
             with compat.fake_mode_of_inputs(example_inputs), compat.lazy_graph_modules():
                 return backend(gm, example_inputs)
 
-        reason = per_rank_compile_reason(self.options, cached=cached)
+        self.cache_bypass = compat.aot_cache_bypass_reason(gm)
+        reason = per_rank_compile_reason(self.options, cached=cached, bypass=self.cache_bypass)
         if reason is None:
             key = host_compile_key(gm.code, compat.cache_key_salt(gm), example_inputs)
             # the claimant stores the whole compile, backward included, before its first step

@@ -92,15 +92,19 @@ def compile_once_per_host(key: str, compile_graphs: Callable[[], Any], *,
     return compile_graphs()
 
 
-def per_rank_compile_reason(options, *, cached: bool) -> str | None:
+def per_rank_compile_reason(options, *, cached: bool, bypass: str | None = None) -> str | None:
     """Why each rank compiles its own graphs, or None where one compile per host applies.
-    `cached`: AOTAutograd may serve this compile from its cache (compile_cache.reuses_cache)."""
+    `cached`: AOTAutograd may serve this compile from its cache (compile_cache.reuses_cache);
+    `bypass`: why its cache would not store this graph (compat.aot_cache_bypass_reason): a
+    rank that waited for the claimant would then compile after it, not instead."""
     if not options.compile_once_per_host:
         return "compile_once_per_host=False"
     if options.compiler != "inductor":
         return f"compiler={options.compiler!r} produces nothing the compile caches store"
     if not (cached and compat.compile_caches_enabled()):
         return "the compile caches (AOTAutograd's and Inductor's FX graph cache) are off"
+    if bypass is not None:
+        return f"AOTAutograd's cache cannot store this graph ({bypass})"
     return None
 
 
@@ -110,8 +114,9 @@ def log_per_rank_compile(reason: str) -> None:
         log.info("graphshard: each rank compiles its own graphs: %s", reason)
 
 
-def compile_sharing(options) -> str:
-    """What `graphshard dump` says of a job's compiles: "once per host", or "per rank: <why>"."""
+def compile_sharing(options, bypass: str | None = None) -> str:
+    """What `graphshard dump` says of a job's compiles: "once per host", or "per rank: <why>"
+    (`bypass`: the captured graph's, see per_rank_compile_reason)."""
     reason = per_rank_compile_reason(
-        options, cached=reuses_cache(options, aot_cache=True, observed=False))
+        options, cached=reuses_cache(options, aot_cache=True, observed=False), bypass=bypass)
     return "once per host" if reason is None else f"per rank: {reason}"

@@ -20,6 +20,7 @@ class Capture:
     seconds: dict[str, float] = field(default_factory=dict)  # "graph/stage" -> time it took
     # parameters whose gathered weights forward saves for backward (the reshard policy kept)
     kept_from_forward: frozenset[str] = frozenset()
+    cache_bypass: str | None = None  # why AOTAutograd's cache would not store the graph
 
 
 def _readable(gm) -> str:
@@ -79,6 +80,7 @@ def capture(workload, options, stages: Sequence[str],
                 raise
         finally:
             torch.compiler.reset()
+    result.cache_bypass = compiler.cache_bypass
     if "forward" not in result.final:
         raise RuntimeError("the graphshard backend never saw a sharded graph "
                            "(no parameter read reached torch.compile)")
