@@ -17,7 +17,7 @@ import torch.fx as fx
 from torch.fx.experimental.symbolic_shapes import optimization_hint
 
 from graphshard.passes import meta_keys
-from graphshard.passes.markers import UnshardSpec
+from graphshard.passes.markers import UnshardSpec, dim0_chunk  # noqa: F401 (re-exported)
 # Fake tensors are how a pass computes the shapes of the nodes it emits (private torch API).
 from graphshard._torch_compat import (fake_mode_of_value, fake_tensor_mode, free_storage_op,
                                       is_op_overload, real_tensors, tree_map_only)
@@ -177,15 +177,6 @@ def fake_mode_of(gm: fx.GraphModule):
         if mode is not None:
             return mode
     return None
-
-
-def ceil_div(a: int, b: int) -> int:
-    return -(-a // b)
-
-
-def dim0_chunk(full_dim0: int, group_size: int) -> int:
-    """Rows per rank under torch.chunk semantics (what DTensor Shard(0) uses)."""
-    return ceil_div(full_dim0, group_size) if full_dim0 else 0
 
 
 # --------------------------------------------------------------------------- emitters

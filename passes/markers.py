@@ -27,6 +27,11 @@ REDUCE_SCHEMA = (
 )
 
 
+def dim0_chunk(full_dim0: int, group_size: int) -> int:
+    """Rows per rank under torch.chunk semantics (what DTensor Shard(0) uses)."""
+    return -(-full_dim0 // group_size) if full_dim0 else 0
+
+
 def _as_args(spec) -> tuple:
     # Computed once per spec (specs are built at shard() time): parameter reads trace this.
     return tuple(list(v) if isinstance(v, tuple) else v
@@ -90,7 +95,7 @@ class UnshardSpec(_MarkerArgs):
         parameter is not cut along dim 0."""
         if not self.scatter or self.gather_size == 1:
             return None
-        return -(-self.full_dim0 // self.gather_size)  # graph_utils.dim0_chunk
+        return dim0_chunk(self.full_dim0, self.gather_size)
 
     def reduce_spec(self, local_dim0: int, out_dtype: torch.dtype) -> "ReduceSpec":
         """The reduction of this parameter's gradient (the unshard's backward)."""

@@ -86,7 +86,8 @@ def following(shard: LocalShard, param: nn.Parameter) -> LocalShard:
     while not shard.reads(param, local):
         if shard.successor is None:
             shard.successor = bind_local_shard(param, shard.rows)
-            local = param.to_local()  # moved into a padded buffer
+            with torch.no_grad():
+                local = param.to_local()  # moved into a padded buffer
         shard = shard.successor
     return shard
 
