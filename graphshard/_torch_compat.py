@@ -277,14 +277,18 @@ def compile_caches_enabled() -> bool:
 
 def aot_cache_bypass_reason(gm) -> str | None:
     """Why AOTAutograd's cache would not store a compile of the Dynamo graph `gm` (an op it
-    cannot key: selective activation checkpointing's policy, an autograd.Function), or None.
+    cannot key: an autograd.Function; a selective activation-checkpointing policy without a
+    cache_hash, or one its key cannot pickle, e.g. a partial over a list of ops), or None.
     Public replacement: none (torch._functorch._aot_autograd.autograd_cache)."""
     from torch._functorch._aot_autograd import autograd_cache
+    from torch._inductor.codecache import BypassFxGraphCache
 
     try:
         autograd_cache.check_cacheable(gm)
         autograd_cache._collect_context_fn_hashes(gm)  # a policy without a cache_hash
-    except autograd_cache.BypassAOTAutogradCache as exc:
+        with autograd_cache.sanitize_gm_for_cache(gm):  # the graph as the cache key pickles it
+            autograd_cache.AOTAutogradCachePickler(gm).dumps(gm)
+    except (autograd_cache.BypassAOTAutogradCache, BypassFxGraphCache) as exc:
         return str(exc)
     return None
 

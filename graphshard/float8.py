@@ -145,9 +145,7 @@ def _gradient_target(local: torch.Tensor, spec: UnshardSpec, sync: GradSync
             return sync.full_leaves[spec.name], None
         if sync.mode is SyncMode.NO_ALL_REDUCE and len(spec.reduce_groups) > 1:
             leaf = sync.partial_leaves[spec.name]
-            within = ReduceSpec(local_dim0, spec.reduce_groups[:1], spec.reduce_sizes[:1],
-                                spec.scatter, spec.reduce_dtype, leaf.dtype, spec.name)
-            return leaf, within
+            return leaf, spec.reduce_spec(local_dim0, leaf.dtype, shard_group_only=True)
     return local, spec.reduce_spec(local_dim0, local.dtype)
 
 

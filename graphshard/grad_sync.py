@@ -10,9 +10,11 @@
 How it is built, without mutating anything inside a backward graph (AOTAutograd cannot):
 - Each parameter gets an accumulation *leaf*: a zero-cost (stride-0) tensor of the full shape
   (or, for `replica_only`, the shard's shape) that requires grad. In no-sync mode the parameter
-  read is `_UnshardNoSync(local, leaf)`: the forward is the ordinary `graphshard::unshard` marker,
-  the backward hands the full gradient to the leaf, so autograd's own accumulation sums the
-  micro-batches into `leaf.grad`, and the sharded parameter gets no gradient at all.
+  read is `graphshard::unshard_accumulating(local, leaf, ...)` (compiler/ops.py): the forward is
+  the ordinary `graphshard::unshard` marker, the backward hands the full gradient to the leaf,
+  so autograd's own accumulation sums the micro-batches into `leaf.grad`, and the sharded
+  parameter gets no gradient at all (`replica_only`: the shard group's reduce-scatter, into
+  the leaf). An op, so AOTAutograd's cache stores these graphs as it stores the others.
 - Turning sync back on reduces each `leaf.grad` at once (the same eager marker as the
   ordinary backward: reduce-scatter, + all-reduce across replicas) into the parameter's sharded
   `.grad`; the synced micro-batch's backward then accumulates its own reduced gradient on top
@@ -33,7 +35,7 @@ import contextlib
 import torch
 import torch.nn as nn
 
-from graphshard.compiler.ops import call_reduce_grad, call_unshard
+from graphshard.compiler.ops import call_reduce_grad, call_unshard_accumulating
 from graphshard.passes.markers import ReduceSpec, UnshardSpec
 from graphshard.state import GradSync, SyncMode, shard_state, sharded_params
 
@@ -43,12 +45,6 @@ def _accumulation_leaf(shape: torch.Size, dtype: torch.dtype, device: torch.devi
     return torch.zeros((), dtype=dtype, device=device).expand(shape).requires_grad_()
 
 
-# --------------------------------------------------------------------------- autograd functions
-#
-# Both forwards are the ordinary unshard marker, so the backend's passes lower, tag (reshard
-# policy) and bucket them like any other gather; only the backward differs.
-
-
 def _reduce(grad, local_dim0: int, spec: UnshardSpec, groups: slice, scatter: bool, out_dtype):
     """Reduce over `spec`'s reduce groups selected by `groups` (shard group first)."""
     return call_reduce_grad(grad, ReduceSpec(local_dim0, spec.reduce_groups[groups],
@@ -56,42 +52,16 @@ def _reduce(grad, local_dim0: int, spec: UnshardSpec, groups: slice, scatter: bo
                                              out_dtype, spec.name))
 
 
-class _UnshardNoSync(torch.autograd.Function):
-    """Gather; backward: full gradient to the accumulation leaf (no reduction)."""
-
-    @staticmethod
-    def forward(ctx, local, leaf, spec):
-        ctx.leaf_dtype = leaf.dtype
-        return call_unshard(local, spec)
-
-    @staticmethod
-    def backward(ctx, grad):
-        return None, grad.to(ctx.leaf_dtype), None
-
-
-class _UnshardNoAllReduce(torch.autograd.Function):
-    """Gather; backward: reduce-scatter within the shard group only, into the shard leaf."""
-
-    @staticmethod
-    def forward(ctx, local, leaf, spec):
-        ctx.spec, ctx.local_dim0, ctx.leaf_dtype = spec, local.shape[0] if local.dim() else 0, leaf.dtype
-        return call_unshard(local, spec)
-
-    @staticmethod
-    def backward(ctx, grad):
-        spec = ctx.spec
-        partial = _reduce(grad, ctx.local_dim0, spec, slice(0, 1), spec.scatter, ctx.leaf_dtype)
-        return None, partial, None
-
-
 def unshard_for_grad_sync(local: torch.Tensor, spec: UnshardSpec, sync: GradSync
                           ) -> torch.Tensor | None:
     """The parameter read for the current sync mode, or None for the ordinary unshard."""
     mode = sync.mode
     if mode is SyncMode.NO_SYNC:
-        return _UnshardNoSync.apply(local, sync.full_leaves[spec.name], spec)
+        return call_unshard_accumulating(local, sync.full_leaves[spec.name], spec,
+                                         shard_group_only=False)
     if mode is SyncMode.NO_ALL_REDUCE and len(spec.reduce_groups) > 1:
-        return _UnshardNoAllReduce.apply(local, sync.partial_leaves[spec.name], spec)
+        return call_unshard_accumulating(local, sync.partial_leaves[spec.name], spec,
+                                         shard_group_only=True)
     return None
 
 

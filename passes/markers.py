@@ -97,10 +97,15 @@ class UnshardSpec(_MarkerArgs):
             return None
         return dim0_chunk(self.full_dim0, self.gather_size)
 
-    def reduce_spec(self, local_dim0: int, out_dtype: torch.dtype) -> "ReduceSpec":
-        """The reduction of this parameter's gradient (the unshard's backward)."""
-        return ReduceSpec(local_dim0, self.reduce_groups, self.reduce_sizes, self.scatter,
-                          self.reduce_dtype, out_dtype, self.name)
+    def reduce_spec(self, local_dim0: int, out_dtype: torch.dtype, *,
+                    shard_group_only: bool = False) -> "ReduceSpec":
+        """The reduction of this parameter's gradient (the unshard's backward); with
+        `shard_group_only`, within the shard group alone (hybrid_shard's accumulating
+        micro-batches skip the replica groups)."""
+        groups = slice(0, 1) if shard_group_only else slice(None)
+        return ReduceSpec(local_dim0, tuple(self.reduce_groups[groups]),
+                          tuple(self.reduce_sizes[groups]), self.scatter, self.reduce_dtype,
+                          out_dtype, self.name)
 
 
 @dataclass(frozen=True)

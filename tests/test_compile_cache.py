@@ -175,48 +175,62 @@ def _policy_without_cache_hash():
 
 
 _NO_CACHE_HASH = _policy_without_cache_hash()
+# a cache_hash, but the key pickles the policy too, and a partial over a list of ops cannot be
+_UNPICKLABLE = _policy_without_cache_hash()
+_UNPICKLABLE.cache_hash = "user-selective-mm"
 
 
 class _UserSelectiveGPT(TinyGPT):
-    """TinyGPT's blocks under a selective-AC policy of the user's that names no cache_hash."""
+    """TinyGPT's blocks under a selective-AC policy of the user's (by default one that names
+    no cache_hash)."""
 
-    def __init__(self):
+    def __init__(self, policy=_NO_CACHE_HASH):
         super().__init__("none")
+        self.policy = policy
 
     def forward(self, tokens):
         from torch.utils.checkpoint import checkpoint
 
         h = self.emb(tokens)
         for block in self.blocks:
-            h = checkpoint(block, h, use_reentrant=False, context_fn=_NO_CACHE_HASH)
+            h = checkpoint(block, h, use_reentrant=False, context_fn=self.policy)
         return self.head(self.norm(h))
 
 
 @pytest.mark.parametrize("checkpointing, bypassed", [
     ("none", False), ("graphshard selective", False), ("user selective", True),
-    ("no_sync", True)])
+    ("user selective with a cache_hash", True), ("no_sync", False),
+    ("no_sync replica_only", False)])
 def test_a_graph_aotautograds_cache_cannot_store_is_compiled_by_every_rank(
         fake_pg, checkpointing, bypassed):
     """One compile per host only where AOTAutograd's cache stores the graph: a rank that waited
     for the claimant would otherwise compile after it, not instead. graphshard's selective
-    policy carries a cache_hash (stored); a user's policy without one, and the no-sync
-    accumulation's autograd.Function, are not, and each rank compiles them at once."""
+    policy carries a cache_hash, and the accumulating micro-batches' reads are an op (both
+    stored); a user's policy without a cache_hash is not, nor one the key cannot pickle (a
+    partial over a list of ops), and each rank compiles those at once."""
     import graphshard
     from graphshard.compiler.backend import GraphshardCompiler
     from graphshard.compiler.host_compile import per_rank_compile_reason
     from graphshard.compiler.options import GraphshardOptions
 
     torch.manual_seed(0)
-    model = _UserSelectiveGPT() if checkpointing == "user selective" else TinyGPT("none")
+    model = (_UserSelectiveGPT() if checkpointing == "user selective" else
+             _UserSelectiveGPT(_UNPICKLABLE) if checkpointing.startswith("user selective with")
+             else TinyGPT("none"))
     if checkpointing == "graphshard selective":
         graphshard.apply_activation_checkpointing(model, "selective")
-    graphshard.shard(model)
+    if checkpointing == "no_sync replica_only":  # the shard group's reduce-scatter, into a leaf
+        from torch.distributed.device_mesh import init_device_mesh
+
+        graphshard.shard(model, init_device_mesh("cpu", (2, 4)), strategy="hybrid_shard")
+    else:
+        graphshard.shard(model)
     options = GraphshardOptions.from_dict({"compiler": "eager"})
     compiler = GraphshardCompiler(options)
     (tokens,) = gpt_data(0, batch=2)
     compiled = torch.compile(model, backend=compiler, fullgraph=True)
-    if checkpointing == "no_sync":
-        with graphshard.no_sync(model):
+    if checkpointing.startswith("no_sync"):
+        with graphshard.no_sync(model, replica_only=checkpointing.endswith("replica_only")):
             zoo_loss(compiled(tokens), tokens).backward()
     else:
         zoo_loss(compiled(tokens), tokens).backward()

@@ -65,25 +65,21 @@ class GPTBlock(nn.Module):
         return x + self.down(F.gelu(self.up(self.norm2(x))))
 
 
-def _save_matmuls_policy():
+def _save_matmuls_context():
     # Save matmul outputs, recompute everything else (the usual selective-AC policy).
-    import functools
-
     from torch.utils.checkpoint import create_selective_checkpoint_contexts
 
-    policy = functools.partial(create_selective_checkpoint_contexts,
-                               [torch.ops.aten.mm.default, torch.ops.aten.addmm.default,
-                                torch.ops.aten.bmm.default])
-    # what AOTAutograd's cache keys the policy by: cached, the ranks of a host compile once
-    policy.cache_hash = "tests-selective-mm-addmm-bmm"
-    return policy
+    return create_selective_checkpoint_contexts(
+        [torch.ops.aten.mm.default, torch.ops.aten.addmm.default, torch.ops.aten.bmm.default])
 
 
-_SAVE_MATMULS = _save_matmuls_policy()
+# What AOTAutograd's cache keys the policy by (a module-level function, so its key can name it;
+# a partial over a list of ops cannot be pickled into a key): cached, a host compiles once.
+_save_matmuls_context.cache_hash = "tests-selective-mm-addmm-bmm"
 
 
 def _selective_policy():
-    return _SAVE_MATMULS
+    return _save_matmuls_context
 
 
 class TinyGPT(nn.Module):

@@ -1,5 +1,5 @@
 """The marker ops `graphshard::unshard`, `graphshard::reduce_grad` and `graphshard::float8_scale`,
-`graphshard::split_copy`, the all-to-all transports' rank-invariant exchange ops, and the
+the accumulating micro-batches' `graphshard::unshard_accumulating`, `graphshard::split_copy`, the all-to-all transports' rank-invariant exchange ops, and the
 bucket packing and local sums that ATen runs in place of a generated kernel.
 
 Dynamo and AOTAutograd see these as opaque functional ops, one per parameter read and one per
@@ -184,6 +184,12 @@ def call_unshard(shard: torch.Tensor, spec: UnshardSpec) -> torch.Tensor:
     return torch.ops.graphshard.unshard(shard, *spec.args_at_read())
 
 
+def call_unshard_accumulating(shard: torch.Tensor, leaf: torch.Tensor, spec: UnshardSpec, *,
+                              shard_group_only: bool) -> torch.Tensor:
+    return torch.ops.graphshard.unshard_accumulating(shard, leaf, shard_group_only,
+                                                     *spec.args_at_read())
+
+
 def call_float8_scale(shard: torch.Tensor, spec: UnshardSpec) -> torch.Tensor:
     return torch.ops.graphshard.float8_scale(shard, *spec.as_args())
 
@@ -202,3 +208,51 @@ def _unshard_backward(ctx, grad):
 
 
 unshard.register_autograd(_unshard_backward, setup_context=_unshard_setup_context)
+
+
+# --------------------------------------------------------------------------- accumulating reads
+#
+# A parameter read in an accumulating micro-batch (graphshard/grad_sync.py): its forward is the
+# ordinary unshard marker; its backward hands the gradient to the accumulation leaf instead of
+# the shard, unreduced or reduced within the shard group only. An op in the model's graph, not
+# an autograd.Function: AOTAutograd's cache keys ops but refuses custom autograd.Functions, and
+# a graph it cannot store is compiled by every rank (no compile per host, none on restart).
+# Dynamo records the op; its Autograd kernel applies `_GatherIntoLeaf`, which AOTAutograd traces
+# into the ordinary marker and, in backward, the cast or the shard group's reduction.
+_ACCUMULATING_OPS = torch.library.Library("graphshard", "FRAGMENT")
+_ACCUMULATING_OPS.define("unshard_accumulating" + UNSHARD_SCHEMA.replace(
+    "(Tensor shard, ", "(Tensor shard, Tensor leaf, bool shard_group_only, ", 1))
+
+
+class _GatherIntoLeaf(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, shard, leaf, shard_group_only, args):
+        spec = UnshardSpec(*args)
+        ctx.leaf_dtype = leaf.dtype
+        ctx.reduce = (spec.reduce_spec(shard.shape[0] if shard.dim() else 0, leaf.dtype,
+                                       shard_group_only=True) if shard_group_only else None)
+        return torch.ops.graphshard.unshard(shard, *args)
+
+    @staticmethod
+    def backward(ctx, grad):
+        if ctx.reduce is None:  # no_sync: the full gradient, summed unreduced in the leaf
+            return None, grad.to(ctx.leaf_dtype), None, None
+        return None, call_reduce_grad(grad, ctx.reduce), None, None
+
+
+def _unshard_accumulating_autograd(shard, leaf, shard_group_only, *args):
+    return _GatherIntoLeaf.apply(shard, leaf, shard_group_only, args)
+
+
+def _unshard_accumulating_below_autograd(shard, leaf, shard_group_only, *args):
+    return torch.ops.graphshard.unshard(shard, *args)
+
+
+_ACCUMULATING_OPS.impl("unshard_accumulating", _unshard_accumulating_autograd, "Autograd")
+_ACCUMULATING_OPS.impl("unshard_accumulating", _unshard_accumulating_below_autograd,
+                       "CompositeExplicitAutograd")
+
+
+@torch.library.register_fake("graphshard::unshard_accumulating")
+def _unshard_accumulating_fake(shard, leaf, shard_group_only, *args):
+    return _unshard_fake(shard, *args)
