@@ -219,6 +219,38 @@ def run_eagerly_when_called_from_eager_code(fn: Callable) -> Callable:
     return fn
 
 
+def rank_invariant_group_name(mesh, dim: int) -> str:
+    """The name graphshard's graphs give this rank's process group along `dim` of `mesh`. Where
+    the mesh has several groups along `dim` (hybrid sharding's replica and shard groups), each
+    rank's own has its own c10d name, which would make every rank's graphs its own; so every
+    rank registers its group under one alias, alike on all of them (the mesh's layout and the
+    dim), and c10d resolves the alias to the rank's own group when a collective runs. Where
+    the group spans the whole mesh, its own name is already alike on every rank.
+    Public replacement: none (c10d's process-group registry)."""
+    import hashlib
+
+    from torch._C._distributed_c10d import _register_process_group, _resolve_process_group
+
+    group = mesh.get_group(dim)
+    if mesh.size(dim) == mesh.size():
+        return group.group_name
+    layout = repr((mesh.device_type, mesh.mesh.tolist(), mesh.mesh_dim_names))
+    alias = f"graphshard:mesh-{hashlib.sha256(layout.encode()).hexdigest()[:16]}:dim-{dim}"
+    try:
+        registered = _resolve_process_group(alias)
+    except RuntimeError:  # not registered yet
+        registered = None
+    # An equal mesh made again (the same ranks along the dim) keeps the first group's alias.
+    if registered is None or dist.get_process_group_ranks(registered) != \
+            dist.get_process_group_ranks(group):
+        if registered is not None:
+            from torch._C._distributed_c10d import _unregister_process_group
+
+            _unregister_process_group(alias)
+        _register_process_group(alias, group)
+    return alias
+
+
 def process_group_size(group_name: str) -> int:
     """Size of a live process group known only by the name a functional collective carries
     (all_reduce nodes carry no size). Public replacement: none (groups by name are private)."""
@@ -291,6 +323,21 @@ def aot_cache_bypass_reason(gm) -> str | None:
     except (autograd_cache.BypassAOTAutogradCache, BypassFxGraphCache) as exc:
         return str(exc)
     return None
+
+
+def cache_key_of_object(gm, obj) -> str:
+    """A digest of what AOTAutograd's cache key makes of `obj`, a non-tensor input of the Dynamo
+    graph `gm` (a DeviceMesh from a tensor-parallel plan: its ranks and coordinate), or a
+    rank-specific string where it cannot be pickled (the key would not match across ranks).
+    Public replacement: none (torch._functorch._aot_autograd.autograd_cache)."""
+    import hashlib
+
+    from torch._functorch._aot_autograd.autograd_cache import AOTAutogradCachePickler
+
+    try:
+        return hashlib.sha256(AOTAutogradCachePickler(gm).dumps(obj)).hexdigest()[:16]
+    except Exception:
+        return f"{type(obj).__name__} on rank {dist.get_rank()}"
 
 
 def compile_counters() -> dict:

@@ -299,7 +299,10 @@ def _shard_param(param: nn.Parameter, fqn: str, order: tuple[int, int], mesh: De
     shard_dim = mesh.ndim - 1  # the shard dimension is the last data-parallel mesh dim
     shard_group = mesh.get_group(shard_dim)
     shard_size = mesh.size(shard_dim)
-    replica_groups = [(mesh.get_group(d).group_name, mesh.size(d)) for d in range(mesh.ndim - 1)]
+    # names alike on every rank (the graphs then name no rank: one compile per host)
+    shard_group_name = compat.rank_invariant_group_name(mesh, shard_dim)
+    replica_groups = [(compat.rank_invariant_group_name(mesh, d), mesh.size(d))
+                      for d in range(mesh.ndim - 1)]
     sharded = strategy is not ShardingStrategy.NO_SHARD and param.dim() > 0
     if sharded:
         local = local_dim0_slice(param.detach(), mesh.get_local_rank(shard_dim), shard_size)
@@ -319,11 +322,11 @@ def _shard_param(param: nn.Parameter, fqn: str, order: tuple[int, int], mesh: De
     compute_dtype = policy.param_dtype if param.is_floating_point() else None
     spec = UnshardSpec(
         full_dim0=param.shape[0] if param.dim() else 0,
-        gather_group=shard_group.group_name if sharded else "",
+        gather_group=shard_group_name if sharded else "",
         gather_size=shard_size if sharded else 1,
         compute_dtype=compute_dtype if compute_dtype != param.dtype else None,
         reshard_after_forward=strategy.reshard_after_forward,
-        reduce_groups=(shard_group.group_name, *(g for g, _ in replica_groups)),
+        reduce_groups=(shard_group_name, *(g for g, _ in replica_groups)),
         reduce_sizes=(shard_size, *(s for _, s in replica_groups)),
         scatter=sharded,
         reduce_dtype=policy.reduce_dtype if param.is_floating_point() else None,

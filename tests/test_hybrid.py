@@ -8,6 +8,7 @@ import torch
 from torch.distributed.device_mesh import init_device_mesh
 
 import graphshard
+from graphshard import _torch_compat as compat
 from graphshard.tools.launch import run_local
 from graphshard.passes.graph_utils import ALL_GATHER, ALL_REDUCE, REDUCE_SCATTER, collective_group, wait_of
 from tests.capture import GraphCapture
@@ -35,7 +36,10 @@ def _collectives(gm):
 @pytest.mark.parametrize("fake_pg", [8], indirect=True)
 def test_hybrid_graph_groups(fake_pg):
     mesh = init_device_mesh("cpu", (2, 4), mesh_dim_names=("replicate", "shard"))
-    replicate, shard = mesh.get_group("replicate").group_name, mesh.get_group("shard").group_name
+    # the graphs name each group by a name alike on every rank, which resolves to the rank's own
+    replicate, shard = (compat.rank_invariant_group_name(mesh, dim) for dim in (0, 1))
+    assert compat.process_group(replicate) is mesh.get_group("replicate")
+    assert compat.process_group(shard) is mesh.get_group("shard")
     model = Zoo()
     graphshard.shard(model, mesh, strategy="hybrid_shard")
     tokens = zoo_batch(4)
@@ -83,6 +87,30 @@ def test_hybrid_graph_groups(fake_pg):
     zoo_loss(compiled(tokens), tokens).backward()  # synced: the ordinary graph (above), reused
     assert graphs == {}
     torch._dynamo.reset()
+
+
+def _lowered_graphs_on(rank: int) -> dict[str, str]:
+    compat.init_fake_process_group(8, rank=rank)
+    try:
+        mesh = init_device_mesh("cpu", (2, 4), mesh_dim_names=("replicate", "shard"))
+        torch.manual_seed(0)
+        model = Zoo()
+        graphshard.shard(model, mesh, strategy="hybrid_shard")
+        capture = GraphCapture(stages=("lowered",))
+        tokens = zoo_batch(4)
+        zoo_loss(capture.compile(model)(tokens), tokens).backward()
+        torch._dynamo.reset()
+        return {kind: gm.code for (kind, _), gm in capture.graphs.items()}
+    finally:
+        torch.distributed.destroy_process_group()
+
+
+def test_hybrid_graphs_are_alike_on_ranks_of_other_groups():
+    """Rank 0 (shard group 0-3, replica group 0, 4) and rank 5 (4-7; 1, 5) lower one graph:
+    a host whose ranks sit in other groups compiles it once."""
+    first, other = _lowered_graphs_on(0), _lowered_graphs_on(5)
+    assert set(first) == {"forward", "backward"}
+    assert first == other
 
 
 # --------------------------------------------------------------------------- gloo, 2 x 2

@@ -148,7 +148,8 @@ class GraphshardCompiler:
         self.cache_bypass = compat.aot_cache_bypass_reason(gm)
         reason = per_rank_compile_reason(self.options, cached=cached, bypass=self.cache_bypass)
         if reason is None:
-            key = host_compile_key(gm.code, compat.cache_key_salt(gm), example_inputs)
+            key = host_compile_key(gm.code, compat.cache_key_salt(gm), example_inputs,
+                                   lambda obj: compat.cache_key_of_object(gm, obj))
             # the claimant stores the whole compile, backward included, before its first step
             with compat.backward_compiled_with_forward():
                 compiled_fn = compile_once_per_host(

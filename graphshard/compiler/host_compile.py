@@ -5,8 +5,8 @@ Every rank of a job traces the same model, and where every shard has one shape a
 index is baked into the lowered graphs, they all compile identical graphs: on a host of 8 GPUs,
 8 identical compiles competing for the host's CPUs. Here the first rank to reach a Dynamo graph
 (keyed by everything AOTAutograd's cache key covers that can differ between ranks: the graph's
-code, our cache salt, the inputs' shapes, strides and dtypes, grad mode, the cache directory,
-the host) claims it in the default process group's store and compiles it; the others on that
+code, our cache salt, the inputs' shapes, strides and dtypes, the objects among them as the
+cache key pickles them, grad mode, the cache directory, the host) claims it in the default process group's store and compiles it; the others on that
 host wait until it is done, then compile too, which AOTAutograd and Inductor serve from their
 caches.
 
@@ -40,10 +40,19 @@ WAIT_S = 3600.0  # for the claimant's compile; past it the waiting rank compiles
 _PREFIX = "graphshard/host_compile"
 
 
-def host_compile_key(code: str, salt: str, example_inputs: Sequence[Any]) -> str:
-    """What must be equal for two ranks to compile one graph (see the module docstring)."""
-    inputs = [(tuple(x.shape), tuple(x.stride()), str(x.dtype), x.requires_grad)
-              if isinstance(x, torch.Tensor) else type(x).__name__ for x in example_inputs]
+def host_compile_key(code: str, salt: str, example_inputs: Sequence[Any],
+                     object_key: Callable[[Any], str] = lambda x: type(x).__name__) -> str:
+    """What must be equal for two ranks to compile one graph (see the module docstring).
+    `object_key`: what the cache key makes of an input that is neither a tensor nor a number
+    (a tensor-parallel plan's DeviceMesh, whose ranks differ between TP groups)."""
+    def input_key(x):
+        if isinstance(x, torch.Tensor):
+            return tuple(x.shape), tuple(x.stride()), str(x.dtype), x.requires_grad
+        if isinstance(x, (int, float, bool, torch.SymInt, torch.SymFloat, torch.SymBool)):
+            return type(x).__name__
+        return object_key(x)
+
+    inputs = [input_key(x) for x in example_inputs]
     text = repr((socket.gethostname(), compat.compile_cache_dir(), code, salt, inputs,
                  torch.is_grad_enabled()))
     return hashlib.sha256(text.encode()).hexdigest()[:32]
