@@ -47,7 +47,7 @@ def build(model: str) -> nn.Module:
     from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
 
     torch.manual_seed(0)
-    common = dict(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+    common = dict(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=2 * SEQ,
                   attn_implementation="sdpa", use_cache=False, tie_word_embeddings=False)
     if model == "llama":
