@@ -237,16 +237,8 @@ def rank_invariant_group_name(mesh, dim: int) -> str:
     layout = repr((mesh.device_type, mesh.mesh.tolist(), mesh.mesh_dim_names))
     alias = f"graphshard:mesh-{hashlib.sha256(layout.encode()).hexdigest()[:16]}:dim-{dim}"
     try:
-        registered = _resolve_process_group(alias)
-    except RuntimeError:  # not registered yet
-        registered = None
-    # An equal mesh made again (the same ranks along the dim) keeps the first group's alias.
-    if registered is None or dist.get_process_group_ranks(registered) != \
-            dist.get_process_group_ranks(group):
-        if registered is not None:
-            from torch._C._distributed_c10d import _unregister_process_group
-
-            _unregister_process_group(alias)
+        _resolve_process_group(alias)  # an equal mesh made again: its groups have the same ranks
+    except RuntimeError:  # not registered yet (destroy_process_group() clears the registry)
         _register_process_group(alias, group)
     return alias
 
@@ -318,10 +310,13 @@ def aot_cache_bypass_reason(gm) -> str | None:
     try:
         autograd_cache.check_cacheable(gm)
         autograd_cache._collect_context_fn_hashes(gm)  # a policy without a cache_hash
-        with autograd_cache.sanitize_gm_for_cache(gm):  # the graph as the cache key pickles it
-            autograd_cache.AOTAutogradCachePickler(gm).dumps(gm)
     except (autograd_cache.BypassAOTAutogradCache, BypassFxGraphCache) as exc:
         return str(exc)
+    try:  # the graph as the cache key pickles it; any failure there is a bypass to the cache too
+        with autograd_cache.sanitize_gm_for_cache(gm):
+            autograd_cache.AOTAutogradCachePickler(gm).dumps(gm)
+    except Exception as exc:
+        return f"its key cannot be computed: {type(exc).__name__}: {exc}"
     return None
 
 

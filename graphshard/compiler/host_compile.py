@@ -6,9 +6,9 @@ index is baked into the lowered graphs, they all compile identical graphs: on a 
 8 identical compiles competing for the host's CPUs. Here the first rank to reach a Dynamo graph
 (keyed by everything AOTAutograd's cache key covers that can differ between ranks: the graph's
 code, our cache salt, the inputs' shapes, strides and dtypes, the objects among them as the
-cache key pickles them, grad mode, the cache directory, the host) claims it in the default process group's store and compiles it; the others on that
-host wait until it is done, then compile too, which AOTAutograd and Inductor serve from their
-caches.
+cache key pickles them, grad mode, the cache directory, the host) claims it in the default
+process group's store and compiles it; the others on that host wait until it is done, then
+compile too, which AOTAutograd and Inductor serve from their caches.
 
 Correctness never rests on this key: what a waiting rank loads is whatever AOTAutograd's own
 cache key (salted with ours, compile_cache.py) finds; where the entry is not there (another

@@ -1,6 +1,7 @@
 """The marker ops `graphshard::unshard`, `graphshard::reduce_grad` and `graphshard::float8_scale`,
-the accumulating micro-batches' `graphshard::unshard_accumulating`, `graphshard::split_copy`, the all-to-all transports' rank-invariant exchange ops, and the
-bucket packing and local sums that ATen runs in place of a generated kernel.
+the accumulating micro-batches' `graphshard::unshard_accumulating`, `graphshard::split_copy`,
+the all-to-all transports' rank-invariant exchange ops, and the bucket packing and local sums
+that ATen runs in place of a generated kernel.
 
 Dynamo and AOTAutograd see these as opaque functional ops, one per parameter read and one per
 gradient, carrying everything the lowering needs in their arguments (passes/markers.py types
@@ -225,6 +226,8 @@ _ACCUMULATING_OPS.define("unshard_accumulating" + UNSHARD_SCHEMA.replace(
 
 
 class _GatherIntoLeaf(torch.autograd.Function):
+    """Gather; backward: the gradient into the accumulation leaf (see the comment above)."""
+
     @staticmethod
     def forward(ctx, shard, leaf, shard_group_only, args):
         spec = UnshardSpec(*args)
