@@ -9,10 +9,10 @@ Two launches share one fresh Inductor cache directory:
    cache directory starts empty). Every step's loss is kept for the agreement check.
 2. profile: fresh processes on the now-populated caches. A compiled method's first step, less
    the timing run's median step, is its warm compile time (as a restarted job's). Then, per
-   method, one profiling session covers model copy, setup and three steps; the third step
-   gives collectives, bytes and the peak memory (see bench.measure); graphshard compiles
-   there without AOTAutograd's cache, so that its passes run and predict the peak.
-   Profiling never overlaps a timed step.
+   method, one profiling session covers model copy, setup, two steps and PROFILED_STEPS
+   measured steps, whose average gives collectives, bytes and the peak memory (see
+   bench.measure); graphshard compiles there without AOTAutograd's cache, so that its passes
+   run and predict the peak. Profiling never overlaps a timed step.
 """
 
 from __future__ import annotations

@@ -176,6 +176,7 @@ def _policy_without_cache_hash():
 
 _NO_CACHE_HASH = _policy_without_cache_hash()
 # a cache_hash, but the key pickles the policy too, and a partial over a list of ops cannot be
+# pickled
 _UNPICKLABLE = _policy_without_cache_hash()
 _UNPICKLABLE.cache_hash = "user-selective-mm"
 
