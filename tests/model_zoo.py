@@ -247,7 +247,9 @@ class RunResult:
     recomputed_ops: int = 0
     recomputed_matmuls: int = 0
     recomputed_attention: int = 0
-    model_graphs: int = 0  # graphs compiled by graphshard (forward graphs handed to Inductor)
+    # graphs compiled by graphshard on this rank (forward graphs handed to Inductor): none on
+    # a rank that loaded the compile of another rank of its host
+    model_graphs: int = 0
     graphs: int = 0  # all Dynamo graphs (with bf16 and float inputs: + the input-cast hook's)
     graph_breaks: int = 0
     seconds: float = 0.0  # wall time of the run on this rank
@@ -424,9 +426,10 @@ def train_sharded(rank: int, world: int, configs: list[ZooConfig]) -> list[RunRe
             torch._dynamo.utils.counters.clear()
             fn = model
             if config.compiled:
-                # What backend="graphshard" builds (default options), plus an observer.
-                fn = torch.compile(model, backend=GraphshardCompiler(GraphshardOptions(), observe),
-                                   fullgraph=True)
+                # What backend="graphshard" builds (default options), plus an observer, which
+                # sees the passes on the rank of the host that compiles (the other loads).
+                backend = GraphshardCompiler(GraphshardOptions(), observe, aot_cache=True)
+                fn = torch.compile(model, backend=backend, fullgraph=True)
             opt = optimizer(model.parameters(), config.bf16)
             inputs, targets = spec.batch()
             inputs, targets = slice_rows(inputs, rank, world), slice_rows(targets, rank, world)

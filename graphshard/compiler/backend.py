@@ -37,10 +37,12 @@ from graphshard.passes.liveness import MemoryEstimate, graph_memory
 
 
 class GraphshardCompiler:
-    """A Dynamo backend; `observer` sees every stage's graph (used by `graphshard dump`)."""
+    """A Dynamo backend; `observer` sees every stage's graph (used by `graphshard dump`) of
+    each compile this process runs: all of them unless `aot_cache=True` lets AOTAutograd's
+    cache serve it (compile_cache.reuses_cache)."""
 
     def __init__(self, options: GraphshardOptions, observer: StageObserver | None = None,
-                 cluster: ClusterSpec | None = None, *, aot_cache: bool = True):
+                 cluster: ClusterSpec | None = None, *, aot_cache: bool | None = None):
         self.options = options
         self.observer = observer
         self.aot_cache = aot_cache  # see compile_cache.reuses_cache
@@ -127,9 +129,9 @@ class GraphshardCompiler:
         compiled: list[str] = []
         compilers = {kind: self._graph_compiler(kind, split, dynamo_key, compiled)
                      for kind in ("forward", "backward", "inference")}
-        cached = (reuses_cache(self.options, aot_cache=self.aot_cache,
-                               observed=self.observer is not None)
-                  and salt_cache_key(gm, self.options, self.cluster, split))
+        observed = self.observer is not None
+        cached = (reuses_cache(self.options, aot_cache=self.aot_cache, observed=observed)
+                  and salt_cache_key(gm, self.options, self.cluster, split, observed=observed))
         if cached:
             compilers = {kind: compat.cacheable_graph_compiler(fn) for kind, fn in compilers.items()}
         backend = compat.aot_autograd_backend(

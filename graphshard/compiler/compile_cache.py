@@ -17,30 +17,34 @@ from graphshard.compiler.options import GraphshardOptions
 from graphshard.compiler.rank_agreement import job_nonce
 
 
-def reuses_cache(options: GraphshardOptions, *, aot_cache: bool, observed: bool) -> bool:
+def reuses_cache(options: GraphshardOptions, *, aot_cache: bool | None, observed: bool) -> bool:
     """Whether AOTAutograd may serve this compile from its cache (a job restarting on
     unchanged code skips tracing, partitioning and our passes, as plain torch.compile does).
-    Not where the graphs themselves are wanted: by an observer (`graphshard dump`) or for
-    `predicted_peak_bytes` (the bench: aot_cache=False); not for "eager", which produces
+    `aot_cache` None: unless observed, for an observer (`graphshard dump`) wants the graphs
+    themselves; False: never (the bench's `predicted_peak_bytes`); True: also when observed,
+    where the observer sees the compiles this host runs (one rank's, the others load it) and
+    the entries are this job's own (`salt_cache_key`). Not for "eager", which produces
     nothing Inductor can store. "auto" agrees on its choice with the other ranks by a
-    collective during the compile, so its entries are this job's only (`salt_cache_key`):
-    ranks on one host load their host's compile, a restart compiles again (Inductor's FX
-    graph cache serves the kernels)."""
-    return aot_cache and not observed and options.compiler == "inductor"
+    collective during the compile, so its entries are this job's only as well: ranks on one
+    host load their host's compile, a restart compiles again (Inductor's FX graph cache
+    serves the kernels)."""
+    wanted = not observed if aot_cache is None else aot_cache
+    return wanted and options.compiler == "inductor"
 
 
 def salt_cache_key(gm: fx.GraphModule, options: GraphshardOptions, cluster: ClusterSpec,
-                   split: SplitContext) -> bool:
+                   split: SplitContext, *, observed: bool = False) -> bool:
     """Make what the compiled graphs depend on beyond the Dynamo graph part of AOTAutograd's
     cache key for `gm`: our options, the cluster the cost model schedules for, graphshard's
     code, the transport's form (sorted: a set's order is the process's hash seed's, and every
     rank of a host must salt alike), and for "auto" the job (an entry made in another job was
-    decided without this job's collective, which every rank must join). False, and
+    decided without this job's collective, which every rank must join), as for an `observed`
+    compile (one rank of each host must run it, however warm the cache). False, and
     nothing changed, where Dynamo itself keyed the graph (precompile packaging): that key is
     not ours to replace."""
     if compat.cache_key_salt(gm) is not None:
         return False
-    job = job_nonce() if options.reshard_after_forward == "auto" else None
+    job = job_nonce() if observed or options.reshard_after_forward == "auto" else None
     compat.salt_aot_autograd_cache_key(gm, "graphshard-" + hashlib.sha256(
         repr((options, cluster, _source_digest(), sorted(split.via_all_to_all),
               job)).encode()).hexdigest()[:32])
