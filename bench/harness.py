@@ -11,8 +11,9 @@ Two launches share one fresh Inductor cache directory:
    the timing run's median step, is its warm compile time (as a restarted job's). Then, per
    method, one profiling session covers model copy, setup, two steps and PROFILED_STEPS
    measured steps, whose average gives collectives, bytes and the peak memory (see
-   bench.measure); graphshard compiles there without AOTAutograd's cache, so that its passes
-   run and predict the peak. Profiling never overlaps a timed step.
+   bench.measure); graphshard compiles there as observed, so that its passes run (on one rank
+   per host, the others load its compile) and predict the peak. Profiling never overlaps a
+   timed step.
 """
 
 from __future__ import annotations

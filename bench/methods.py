@@ -33,11 +33,16 @@ SetupFn = Callable[[nn.Module, DeviceMesh], nn.Module]
 _observed = False  # see compiles_observed
 
 
+def _ignore_stages(graph_kind: str, stage: str, gm) -> None:
+    """An observer that keeps nothing: it makes a compile observed (its passes run)."""
+
+
 @contextlib.contextmanager
 def compiles_observed() -> Iterator[None]:
-    """graphshard set up inside compiles without AOTAutograd's cache, so that its passes run and
-    its compiler reports the predicted peak (the profile's own run); elsewhere it compiles as a
-    user's does, the cache on (the timing launch's cold compile, the profile's warm one)."""
+    """graphshard set up inside compiles as observed (compile_cache.reuses_cache): its passes
+    run, on one rank of the host where the ranks' graphs are alike, whose compiler reports the
+    predicted peak (the profile's own run); elsewhere it compiles as a user's does (the timing
+    launch's cold compile, the profile's warm one, served by the cache)."""
     global _observed
     _observed = True
     try:
@@ -195,7 +200,8 @@ def _graphshard_compiled(options: dict | None, shard_kwargs: dict | None = None,
 
         # The backend object itself, not its name: the bench reads its predicted peak, which
         # a compile served from AOTAutograd's cache would not compute (compiles_observed).
-        compiler = GraphshardCompiler(GraphshardOptions.from_dict(options), aot_cache=not _observed)
+        compiler = GraphshardCompiler(GraphshardOptions.from_dict(options),
+                                      _ignore_stages if _observed else None, aot_cache=True)
         # fullgraph with TP: a graph break would leave the TP plan's DTensor ops eager.
         compiled = torch.compile(sharded, backend=compiler, fullgraph=tensor_parallel)
         compiled.graphshard_compiler = compiler

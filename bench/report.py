@@ -55,8 +55,10 @@ def _method_summary(name: str, timing: list[RankResult], profile: list[RankResul
         entry["peak_mib_per_rank"] = [r.profile[name]["peak_bytes"] / _MIB for r in profile]
         entry["peak_mib"] = max(entry["peak_mib_per_rank"])
         entry["breakdown_ms"] = step.get("breakdown_ms", {})  # rank 0's measured step
-        predicted = [r.predicted_peak_bytes.get(name) for r in profile]
-        if None not in predicted:  # graphshard's memory model, as `graphshard dump` shows it
+        # graphshard's memory model, as `graphshard dump` shows it: from the ranks that
+        # compiled (one per host where the ranks' graphs are alike; the others load it)
+        predicted = [r.predicted_peak_bytes[name] for r in profile if name in r.predicted_peak_bytes]
+        if predicted:
             entry["predicted_peak_mib"] = max(predicted) / _MIB
     return entry
 

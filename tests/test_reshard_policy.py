@@ -152,7 +152,7 @@ def test_bad_reshard_options_are_clear_errors(options, message):
 
 
 @pytest.mark.slow
-def test_reshard_options_match_a_single_process_under_inductor():
+def test_reshard_options_match_a_single_process_under_inductor(tmp_path):
     """World size 2, Inductor, gloo: keeping all, some (pattern, with activation checkpointing)
     or the budget's choice of units gathered (with gradient accumulation and the native
     transports), or the default's tail through the partition derived to keep it (native
@@ -171,10 +171,13 @@ def test_reshard_options_match_a_single_process_under_inductor():
     ]
     default = dataclasses.replace(base, compile={"all_gather": "native", "reduce_scatter": "native"})
     runs.append(default)  # the default keeps the tail: its partition derived (keep_gathered)
-    results = run_local(_train_counting_derived_partitions, 2, runs)
-    for rank_result in results:
-        # the default run's training graph (the last partitioned) compiled the derived pair
-        assert rank_result["derived_compiled"][-1] is True, rank_result["derived_compiled"]
+    results = run_local(_train_recording_partitions, 2, runs, str(tmp_path / "inductor"))
+    # the rank that compiled the default run's training graph (the other loaded it) compiled
+    # the derived pair
+    default_options = GraphshardOptions.from_dict(default.compile)
+    partitions = [derived for r in results for options, derived in r["partitions"]
+                  if options == default_options]
+    assert partitions == [True], [r["partitions"] for r in results]
     for run, per_rank in zip(runs, zip(*(r["results"] for r in results))):
         ref = reference(run)
         for result in per_rank:
@@ -183,32 +186,31 @@ def test_reshard_options_match_a_single_process_under_inductor():
                 assert torch.allclose(result.params[name], value, atol=1e-5), (run.compile, name)
 
 
-def _train_counting_derived_partitions(rank: int, world: int, runs: list[Training]) -> dict:
-    """`train`, recording for each partition whether it returned the pair keep_gathered derived.
-    A cache directory of this rank's own: every rank compiles (none is served a compile)."""
+def _train_recording_partitions(rank: int, world: int, runs: list[Training], cache: str) -> dict:
+    """`train`, recording for each partition its options and whether it returned the pair
+    keep_gathered derived. A cache directory of the test's own, empty at the start: one rank
+    compiles each graph, whatever an earlier session left in the suite's cache."""
     import os
-    import tempfile
 
     from graphshard.compiler import backend
     from graphshard.compiler import partition as partition_module
 
-    derived, compiled = [], []
+    derived, partitions = [], []
     original_keep_gathered, original_partition = partition_module.keep_gathered, backend.partition
 
     def keep_gathered_recorded(*args):
         derived.append(original_keep_gathered(*args))
         return derived[-1]
 
-    def partition_recorded(*args, **kwargs):
-        pair = original_partition(*args, **kwargs)
-        compiled.append(bool(derived) and pair is derived[-1])
+    def partition_recorded(compiler, *args, **kwargs):
+        pair = original_partition(compiler, *args, **kwargs)
+        partitions.append((compiler.options, bool(derived) and pair is derived[-1]))
         return pair
 
     partition_module.keep_gathered = keep_gathered_recorded
     backend.partition = partition_recorded
-    with tempfile.TemporaryDirectory(prefix="graphshard-test-") as cache:
-        os.environ["TORCHINDUCTOR_CACHE_DIR"] = cache
-        return {"results": train(rank, world, runs), "derived_compiled": compiled}
+    os.environ["TORCHINDUCTOR_CACHE_DIR"] = cache
+    return {"results": train(rank, world, runs), "partitions": partitions}
 
 
 class _Partitions(GraphshardCompiler):
