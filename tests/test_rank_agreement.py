@@ -23,10 +23,10 @@ TOL = 1e-5  # fp32: per-rank graphs change only the order of float sums
 NATIVE = {"all_gather": "native", "reduce_scatter": "native"}
 # (name, torch.compile arguments or None for eager, rows per rank for each step)
 CONFIGS = [
-    ("inductor-4v1-then-4v2", {}, [(4, 1), (4, 2)]),  # the second step: rank 1 alone recompiles
+    # the second step: rank 1 alone recompiles; the third: rank 0 alone, to an odd batch
+    ("inductor-4v1-then-4v2-then-3v2", {}, [(4, 1), (4, 2), (3, 2)]),
     ("inductor-dynamic-4v1", {"dynamic": True}, [(4, 1)]),
     ("eager-4v1", None, [(4, 1)]),
-    ("inductor-3v2", {}, [(3, 2)]),
     ("inductor-native-4v1", {"options": NATIVE}, [(4, 1)]),  # the NCCL path's collectives
     # planned alone, the backward's prefetches and reductions would be ordered differently
     ("graphs-only-16v4", {"options": {"compiler": "eager"}}, [(16, 4)]),
