@@ -242,3 +242,37 @@ def test_a_graph_aotautograds_cache_cannot_store_is_compiled_by_every_rank(
     assert (reason is not None) == bypassed
     if bypassed:
         assert reason.startswith("AOTAutograd's cache cannot store this graph ("), reason
+
+
+def test_an_observer_turns_the_cache_off_unless_asked_and_then_keys_it_to_the_job(monkeypatch):
+    """An observer wants the graphs themselves, so by default its compiles are not served from
+    AOTAutograd's cache; with aot_cache=True they are, on the ranks of its host (the zoo's
+    observed runs, the bench's profiled one), and the key names the job, so that one rank of
+    each job compiles and observes however warm the cache. "eager" stores nothing."""
+    import torch.fx as fx
+
+    from graphshard import _torch_compat as compat
+    from graphshard.compiler import compile_cache
+    from graphshard.compiler.cost_model import ClusterSpec
+    from graphshard.compiler.compile_cache import reuses_cache, salt_cache_key
+    from graphshard.compiler.dynamo_graph import SplitContext
+    from graphshard.compiler.options import GraphshardOptions
+
+    inductor, eager = GraphshardOptions(), GraphshardOptions(compiler="eager")
+    assert reuses_cache(inductor, aot_cache=None, observed=False)
+    assert not reuses_cache(inductor, aot_cache=None, observed=True)
+    assert reuses_cache(inductor, aot_cache=True, observed=True)
+    assert not reuses_cache(inductor, aot_cache=False, observed=False)
+    assert not reuses_cache(eager, aot_cache=True, observed=True)
+
+    salts = {}
+    for job in ("job-a", "job-b"):
+        monkeypatch.setattr(compile_cache, "job_nonce", lambda job=job: job)
+        for observed in (False, True):
+            gm = fx.symbolic_trace(torch.nn.Linear(2, 2))
+            assert salt_cache_key(gm, inductor, ClusterSpec.default(), SplitContext(),
+                                  observed=observed)
+            salts[job, observed] = compat.cache_key_salt(gm)
+    assert salts["job-a", False] == salts["job-b", False]  # a restart is served
+    assert salts["job-a", True] != salts["job-b", True]  # another job compiles again
+    assert salts["job-a", True] != salts["job-a", False]
