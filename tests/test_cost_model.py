@@ -3,6 +3,7 @@ liveness-based peak memory, strategy formulas, and calibration on 2 gloo process
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import operator
 
@@ -402,7 +403,8 @@ def test_calibrate_two_gloo_processes(tmp_path):
 
 
 def test_calibrate_cli(tmp_path, monkeypatch, capsys):
-    def fake_calibrate(world_size, repeats, samples):
+    def fake_calibrate(world_size, repeats, samples, rounds):
+        assert rounds == 3  # the default: a median over three whole measurements
         samples.extend([(1024, 0.36e-3), (4 << 20, 3e-3)])
         return ClusterSpec.default()
 
@@ -414,6 +416,24 @@ def test_calibrate_cli(tmp_path, monkeypatch, capsys):
     assert ClusterSpec.from_json(out) == ClusterSpec.default()
     with pytest.raises(SystemExit):
         calibration.main(["--world-size", "1"])
+    with pytest.raises(SystemExit):
+        calibration.main(["--rounds", "0"])
+
+
+def test_calibration_rounds_keep_each_measured_parameters_median():
+    """One round's numbers move from minute to minute on a shared machine: each measured
+    number is the median of the rounds', attention rates row by row; flags and counts stay."""
+    rounds = [dataclasses.replace(ClusterSpec.default(), latency_s=latency, flops_per_s=flops,
+                                  comm_overlaps_compute=False, compute_slots_per_node=2,
+                                  attention_flops=((2048, fp32, 2 * fp32), (8192, 3 * fp32, fp32)))
+              for latency, flops, fp32 in ((1e-3, 9e10, 4e10), (3e-4, 8e10, 6e10),
+                                           (4e-4, 1.2e11, 5e10))]
+    spec = calibration.median_spec(rounds)
+    assert (spec.latency_s, spec.flops_per_s) == (4e-4, 9e10)
+    assert spec.attention_flops == ((2048, 5e10, 1e11), (8192, 1.5e11, 5e10))
+    assert spec.bandwidth_Bps == ClusterSpec.default().bandwidth_Bps  # alike in every round
+    assert (spec.comm_overlaps_compute, spec.compute_slots_per_node) == (False, 2)
+    assert calibration.median_spec(rounds[:1]) == rounds[0]
 
 
 def test_float8_matmuls_run_at_the_float8_peak_where_the_machine_has_one():

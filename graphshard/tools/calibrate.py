@@ -217,8 +217,35 @@ def measure_compute(repeats: int = 10) -> dict[str, Any]:
 
 
 def calibrate(world_size: int = 2, sizes: Iterable[int] = (), repeats: int = 10,
-              samples: list | None = None) -> ClusterSpec:
-    """Measure this machine. `samples`, if a list, receives the all-gather timings."""
+              samples: list | None = None, rounds: int = 1) -> ClusterSpec:
+    """Measure this machine `rounds` times, one whole round after another, and keep each
+    parameter's median over the rounds (`median_spec`): on a shared machine one round's
+    collective latencies move by up to 2x, and its rates by 10-30%, from one minute to the
+    next. `samples`, if a list, receives the all-gather timings of every round."""
+    sizes = tuple(sizes)
+    return median_spec([_calibrate_once(world_size, sizes, repeats, samples)
+                        for _ in range(rounds)])
+
+
+def median_spec(specs: Sequence[ClusterSpec]) -> ClusterSpec:
+    """Each measured number's median over `specs` (rounds of one machine's calibration;
+    attention rates row by row); what is not measured (flags, counts) is the first's."""
+    values = {}
+    for field in dataclasses.fields(ClusterSpec):
+        measured = [getattr(spec, field.name) for spec in specs]
+        if field.name == "attention_flops":
+            values[field.name] = tuple(
+                (rows[0][0], statistics.median(r[1] for r in rows),
+                 statistics.median(r[2] for r in rows)) for rows in zip(*measured))
+        elif all(isinstance(v, float) for v in measured):
+            values[field.name] = statistics.median(measured)
+        else:
+            values[field.name] = measured[0]
+    return ClusterSpec(**values)
+
+
+def _calibrate_once(world_size: int, sizes: Sequence[int], repeats: int,
+                    samples: list | None) -> ClusterSpec:
     measured = measure_collectives(world_size, sizes, repeats)
     if samples is not None:
         samples.extend(measured["all_gather"])
@@ -257,12 +284,15 @@ def main(argv: Sequence[str] | None = None) -> int:
                         help="local gloo processes the all-gathers run on (default 2)")
     parser.add_argument("--repeats", type=int, default=10,
                         help="timings per measurement; the median is kept (default 10)")
+    parser.add_argument("--rounds", type=int, default=3,
+                        help="whole measurements, one after another; each parameter's median "
+                             "over them is kept (default 3)")
     parser.add_argument("--out", help="write the ClusterSpec JSON here")
     args = parser.parse_args(list(sys.argv[1:] if argv is None else argv))
-    if args.world_size < 2 or args.repeats < 1:
-        parser.error("--world-size must be >= 2 and --repeats >= 1")
+    if args.world_size < 2 or args.repeats < 1 or args.rounds < 1:
+        parser.error("--world-size must be >= 2, --repeats and --rounds >= 1")
     samples: list[tuple[int, float]] = []
-    spec = calibrate(args.world_size, repeats=args.repeats, samples=samples)
+    spec = calibrate(args.world_size, repeats=args.repeats, samples=samples, rounds=args.rounds)
     print(tabulate([(b, t * 1e3, collective_time("all_gather", b, args.world_size, spec) * 1e3)
                     for b, t in samples],
                    headers=["all_gather bytes", "measured ms", "model ms"], floatfmt=".3f"))
