@@ -21,9 +21,10 @@ def reuses_cache(options: GraphshardOptions, *, aot_cache: bool | None, observed
     """Whether AOTAutograd may serve this compile from its cache (a job restarting on
     unchanged code skips tracing, partitioning and our passes, as plain torch.compile does).
     `aot_cache` None: unless observed, for an observer (`graphshard dump`) wants the graphs
-    themselves; False: never (the bench's `predicted_peak_bytes`); True: also when observed,
-    where the observer sees the compiles this host runs (one rank's, the others load it) and
-    the entries are this job's own (`salt_cache_key`). Not for "eager", which produces
+    themselves; False: never (the bench's collectives-only replay, which reads every rank's
+    own passes); True: also when observed, where the observer sees the compiles this host
+    runs (one rank's, the others load it) and the entries are this job's own
+    (`salt_cache_key`). Not for "eager", which produces
     nothing Inductor can store. "auto" agrees on its choice with the other ranks by a
     collective during the compile, so its entries are this job's only as well: ranks on one
     host load their host's compile, a restart compiles again (Inductor's FX graph cache
