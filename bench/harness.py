@@ -9,7 +9,7 @@ Two launches share one fresh Inductor cache directory:
    cache directory starts empty). Every step's loss is kept for the agreement check.
 2. profile: fresh processes on the now-populated caches. A compiled method's first step, less
    the timing run's median step, is its warm compile time (as a restarted job's). Then, per
-   method, one profiling session covers model copy, setup, two steps and PROFILED_STEPS
+   method, one profiler run covers model copy, setup, two steps and PROFILED_STEPS
    measured steps, whose average gives collectives, bytes and the peak memory (see
    bench.measure); graphshard compiles there as observed, so that its passes run (on one rank
    per host, the others load its compile) and predict the peak. Profiling never overlaps a

@@ -57,7 +57,8 @@ def _method_summary(name: str, timing: list[RankResult], profile: list[RankResul
         entry["breakdown_ms"] = step.get("breakdown_ms", {})  # rank 0's measured step
         # graphshard's memory model, as `graphshard dump` shows it: from the ranks that
         # compiled (one per host where the ranks' graphs are alike; the others load it)
-        predicted = [r.predicted_peak_bytes[name] for r in profile if name in r.predicted_peak_bytes]
+        predicted = [r.predicted_peak_bytes[name] for r in profile
+                     if name in r.predicted_peak_bytes]
         if predicted:
             entry["predicted_peak_mib"] = max(predicted) / _MIB
     return entry

@@ -189,7 +189,7 @@ def test_reshard_options_match_a_single_process_under_inductor(tmp_path):
 def _train_recording_partitions(rank: int, world: int, runs: list[Training], cache: str) -> dict:
     """`train`, recording for each partition its options and whether it returned the pair
     keep_gathered derived. A cache directory of the test's own, empty at the start: one rank
-    compiles each graph, whatever an earlier session left in the suite's cache."""
+    compiles each graph, whatever an earlier run left in the suite's cache."""
     import os
 
     from graphshard.compiler import backend

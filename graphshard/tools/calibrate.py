@@ -220,7 +220,7 @@ def calibrate(world_size: int = 2, sizes: Iterable[int] = (), repeats: int = 10,
               samples: list | None = None, rounds: int = 1) -> ClusterSpec:
     """Measure this machine `rounds` times, one whole round after another, and keep each
     parameter's median over the rounds (`median_spec`): on a shared machine one round's
-    collective latencies move by up to 2x, and its rates by 10-30%, from one minute to the
+    collective latencies move by up to 2.5x, and its rates by 10-30%, from one minute to the
     next. `samples`, if a list, receives the all-gather timings of every round."""
     sizes = tuple(sizes)
     return median_spec([_calibrate_once(world_size, sizes, repeats, samples)
