@@ -391,11 +391,15 @@ def launch(cfg: BenchConfig, phase: str, workdir: str) -> list[RankResult]:
         return [RankResult(**r) for r in json.load(f)]
 
 
-def run(cfg: BenchConfig) -> tuple[list[RankResult], list[RankResult]]:
-    """Both launches on a fresh Inductor cache directory; returns (timing, profile) per rank."""
+def run(cfg: BenchConfig, cache_dir: str | None = None
+        ) -> tuple[list[RankResult], list[RankResult]]:
+    """Both launches; returns (timing, profile) per rank. They compile into a fresh Inductor
+    cache directory (the first step is a cold compile), or into `cache_dir`, which is kept: runs
+    that share one load what an earlier run compiled."""
     workdir = tempfile.mkdtemp(prefix="graphshard-bench-")
     saved = os.environ.get("TORCHINDUCTOR_CACHE_DIR")
-    os.environ["TORCHINDUCTOR_CACHE_DIR"] = os.path.join(workdir, "inductor")  # children inherit
+    # children inherit it
+    os.environ["TORCHINDUCTOR_CACHE_DIR"] = cache_dir or os.path.join(workdir, "inductor")
     try:
         return launch(cfg, "timing", workdir), launch(cfg, "profile", workdir)
     finally:

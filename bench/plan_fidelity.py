@@ -9,7 +9,8 @@ checkpointing, dtypes, reshard and prefetch options, tensor parallelism on a 1x2
 planner's prediction (`plan.predict`: the same capture, passes and cost model as
 `graphshard plan`) is set beside the bench's
 measurement (the configuration as a graphshard bench method, timed interleaved with the others
-of its model and world size, median step; peak memory counted by the allocator on every thread).
+of its model and world size, in rounds that run every model and world size in turn; the median
+step; peak memory counted by the allocator on every thread).
 Reports per configuration the predicted and measured step time and peak memory and their
 errors, then Spearman's rank correlation of the step times and the median absolute error.
 """
@@ -20,6 +21,7 @@ import argparse
 import json
 import os
 import statistics
+import tempfile
 from dataclasses import dataclass, field
 
 from graphshard.tools.plan import Knobs, Layout
@@ -96,26 +98,40 @@ def spearman(xs: list[float], ys: list[float]) -> float:
 
 
 def measure(cases: list[Case], steps: int, repeats: int, warmup: int,
-            cluster_file: str | None = None) -> dict[Case, dict]:
+            cluster_file: str | None = None, rounds: int = 3) -> dict[Case, dict]:
+    """Each configuration's median step and peak memory over `rounds` rounds. A round runs
+    every group of configurations (one model, world size and TP degree: one bench launch, its
+    methods interleaved over `repeats`) once, each round starting at the next group: the
+    machine's drift over the run falls on every group alike, not on whichever group ran while
+    the machine was slow. The rounds share one Inductor cache: later rounds load what the first
+    compiled."""
     from graphshard.bench.harness import BenchConfig, run
     from graphshard.bench.report import summarize
 
-    measured = {}
     groups: dict[tuple, list[Case]] = {}
     for case in cases:
         groups.setdefault((case.model, case.world, case.batch, case.tp), []).append(case)
-    for (model, world, batch, tp), group in groups.items():
-        cfg = BenchConfig(model=model, nproc=world, tp=tp,
-                          methods=tuple(c.method(cluster_file) for c in group),
-                          batch=batch, seq=SEQ, steps=steps, repeats=repeats, warmup=warmup)
-        summary = summarize(cfg, *run(cfg))
-        for case in group:
-            entry = summary["methods"][case.method(cluster_file)]
-            if entry.get("status") != "ok":
-                raise RuntimeError(f"{case.label}: {entry.get('status')}")
-            measured[case] = {"step_s": entry["step_ms"]["median"] / 1e3,
-                              "peak_bytes": entry["peak_mib"] * 2**20}
-    return measured
+    order = list(groups)
+    samples: dict[Case, list[tuple[float, float]]] = {case: [] for case in cases}
+    with tempfile.TemporaryDirectory(prefix="graphshard-fidelity-") as cache_dir:
+        for round_index in range(rounds):
+            shift = round_index % len(order)
+            for model, world, batch, tp in order[shift:] + order[:shift]:
+                group = groups[model, world, batch, tp]
+                cfg = BenchConfig(model=model, nproc=world, tp=tp,
+                                  methods=tuple(c.method(cluster_file) for c in group),
+                                  batch=batch, seq=SEQ, steps=steps, repeats=repeats,
+                                  warmup=warmup)
+                summary = summarize(cfg, *run(cfg, cache_dir=cache_dir))
+                for case in group:
+                    entry = summary["methods"][case.method(cluster_file)]
+                    if entry.get("status") != "ok":
+                        raise RuntimeError(f"{case.label}: {entry.get('status')}")
+                    samples[case].append((entry["step_ms"]["median"] / 1e3,
+                                          entry["peak_mib"] * 2**20))
+    return {case: {"step_s": statistics.median(step for step, _ in runs),
+                   "peak_bytes": statistics.median(peak for _, peak in runs)}
+            for case, runs in samples.items()}
 
 
 def measured_before(cases: list[Case], path: str) -> dict[Case, dict]:
@@ -151,18 +167,23 @@ def main(argv: list[str] | None = None) -> int:
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--cluster", required=True,
                    help="this machine's JSON from `graphshard calibrate --out FILE` (or 'local')")
-    p.add_argument("--steps", type=int, default=5)
-    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--steps", type=int, default=10)
+    p.add_argument("--repeats", type=int, default=1,
+                   help="interleaved repeats of a group's methods within each of its launches")
+    p.add_argument("--rounds", type=int, default=3,
+                   help="launches of every group, one round after another (the median is kept)")
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--json", help="write the table here")
     p.add_argument("--measured", metavar="JSON",
                    help="take the measurements from this earlier --json output instead of running "
                         "the bench (to re-predict after a change to the cost model)")
     args = p.parse_args(argv)
+    if args.rounds < 1 or args.repeats < 1:
+        p.error(f"--rounds and --repeats must be at least 1, got {args.rounds} and {args.repeats}")
     cluster = resolve_cluster(args.cluster)
     predicted = predict_all(CASES, cluster)
     cluster_file = args.cluster if os.path.isfile(args.cluster) else None
-    measured = (measure(CASES, args.steps, args.repeats, args.warmup, cluster_file)
+    measured = (measure(CASES, args.steps, args.repeats, args.warmup, cluster_file, args.rounds)
                 if args.measured is None
                 else measured_before(CASES, args.measured))
     rows = []

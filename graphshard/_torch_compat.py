@@ -320,6 +320,92 @@ def aot_cache_bypass_reason(gm) -> str | None:
     return None
 
 
+# Packages whose autograd.Functions AOTAutograd's cache may store: the key names each Function
+# and salt_cache_key adds the package's code (graphshard's sources, torchao's version).
+KEYED_FUNCTION_PACKAGES = ("graphshard", "torchao")
+
+
+def _trampoline_function(target) -> type | None:
+    """The autograd.Function behind a call Dynamo left in the graph for AOTAutograd to trace
+    (`produce_trampoline_autograd_apply`: a Function on tensor subclasses), else None."""
+    if getattr(target, "__name__", None) != "trampoline_autograd_apply":
+        return None
+    cells = [cell.cell_contents for cell in getattr(target, "__closure__", None) or ()]
+    return next((c for c in cells if isinstance(c, type)
+                 and issubclass(c, torch.autograd.Function)), None)
+
+
+def _from_keyed_package(qualified_name: str) -> bool:
+    return qualified_name.split(".", 1)[0] in KEYED_FUNCTION_PACKAGES
+
+
+def _called_from_keyed_package(node: fx.Node) -> bool:
+    """Whether the innermost frame of `node`'s stack trace is in a KEYED_FUNCTION_PACKAGES
+    package's directory (where a traced autograd.Function was applied)."""
+    import os
+    import re
+    import sys
+
+    files = re.findall(r'File "([^"]+)", line', node.meta.get("stack_trace") or "")
+    roots = [os.path.dirname(os.path.abspath(sys.modules[name].__file__)) + os.sep
+             for name in KEYED_FUNCTION_PACKAGES if name in sys.modules]
+    return bool(files) and any(os.path.abspath(files[-1]).startswith(root) for root in roots)
+
+
+@contextmanager
+def keyed_package_functions_cacheable(gm: fx.GraphModule):
+    """Let AOTAutograd's cache store `gm` where only autograd.Functions and config classes of
+    KEYED_FUNCTION_PACKAGES keep it from doing so (float8 training: torchao's matmul Function
+    and configs, graphshard's float8 weight Functions), each named in the key; otherwise
+    change nothing. Dynamo traces a Function's forward and backward into `gm` (their code is
+    in the key then) or leaves a call AOTAutograd traces (the key names the Function).
+    Public replacement: none (torch._functorch.config's
+    autograd_cache_allow_custom_autograd_functions, torch._inductor.config's
+    unsafe_marked_cacheable_functions)."""
+    import torch._functorch.config as functorch_config
+    import torch._inductor.config as inductor_config
+    from torch._functorch._aot_autograd.autograd_cache import AOTAutogradCachePickler
+
+    higher_order, marked = False, set()
+    for node in gm.graph.nodes:
+        if node.op != "call_function":
+            continue
+        target = node.target
+        if target is torch.ops.higher_order.autograd_function_apply:
+            if not _called_from_keyed_package(node):
+                yield
+                return
+            higher_order = True
+        elif (function := _trampoline_function(target)) is not None:
+            if not _from_keyed_package(function.__module__):
+                yield
+                return
+            marked.add(f"{target.__module__}.{target.__name__}")
+        elif isinstance(target, type) and _from_keyed_package(target.__module__):
+            marked.add(f"{target.__module__}.{target.__name__}")
+    if not higher_order and not marked:
+        yield
+        return
+
+    original = AOTAutogradCachePickler._format_global_for_cache_key
+
+    def format_global(name: str, obj: Any) -> str:
+        function = _trampoline_function(obj)
+        if function is not None:  # a local function: named by the Function it applies
+            return f"# autograd.Function {name}: {function.__module__}.{function.__qualname__}"
+        return original(name, obj)
+
+    AOTAutogradCachePickler._format_global_for_cache_key = staticmethod(format_global)
+    allowed = higher_order or functorch_config.autograd_cache_allow_custom_autograd_functions
+    try:
+        with functorch_config.patch(autograd_cache_allow_custom_autograd_functions=allowed), \
+                inductor_config.patch(unsafe_marked_cacheable_functions=sorted(
+                    marked | set(inductor_config.unsafe_marked_cacheable_functions))):
+            yield
+    finally:
+        AOTAutogradCachePickler._format_global_for_cache_key = staticmethod(original)
+
+
 def cache_key_of_object(gm, obj) -> str:
     """A digest of what AOTAutograd's cache key makes of `obj`, a non-tensor input of the Dynamo
     graph `gm` (a DeviceMesh from a tensor-parallel plan: its ranks and coordinate), or a

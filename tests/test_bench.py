@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import copy
 import json
+import os
 import sys
 import threading
 from dataclasses import asdict
@@ -268,6 +269,59 @@ def test_the_fidelity_bench_compiles_with_the_cluster_the_planner_priced(tmp_pat
     assert name.endswith(f"+cluster={cluster}")
     assert f"'cluster': '{cluster}'" in method(name).description
     assert "cluster=" not in CASES[0].method()  # a preset: the built-in model
+
+
+def test_the_fidelity_bench_runs_every_group_once_a_round_and_keeps_each_configurations_median(
+        monkeypatch):
+    """Rounds run every (model, world size, TP) group once, each round starting one group later,
+    all compiling into one cache directory (removed at the end); a configuration's step and peak
+    are the medians over its rounds."""
+    from graphshard.bench import harness, plan_fidelity, report
+    from graphshard.bench.plan_fidelity import Case
+
+    launches = []
+
+    def fake_run(cfg, cache_dir=None):
+        launches.append(((cfg.model, cfg.nproc, cfg.tp), cache_dir))
+        return [], [len(launches)]
+
+    def fake_summarize(cfg, _timing, profile):
+        n = profile[0]  # the launch's position in the run: every launch measures differently
+        return {"methods": {name: {"status": "ok", "step_ms": {"median": 100.0 * n},
+                                   "peak_mib": float(n)} for name in cfg.methods}}
+
+    monkeypatch.setattr(harness, "run", fake_run)
+    monkeypatch.setattr(report, "summarize", fake_summarize)
+    cases = [Case("transformer", 2, 8), Case("transformer", 2, 8, keep="all"),
+             Case("llama", 2, 8), Case("llama", 3, 6)]
+    measured = plan_fidelity.measure(cases, steps=2, repeats=1, warmup=1, rounds=3)
+
+    t2, l2, l3 = ("transformer", 2, 1), ("llama", 2, 1), ("llama", 3, 1)
+    assert [group for group, _ in launches] == [t2, l2, l3, l2, l3, t2, l3, t2, l2]
+    cache_dirs = {cache_dir for _, cache_dir in launches}
+    assert len(cache_dirs) == 1 and None not in cache_dirs
+    assert not os.path.exists(cache_dirs.pop())
+    # transformer ws2 ran as launches 1, 6 and 8: the median of 100, 600 and 800 ms is 600 ms
+    assert measured[cases[0]] == measured[cases[1]] == {"step_s": 0.6, "peak_bytes": 6 * 2**20}
+    assert measured[cases[2]]["step_s"] == 0.4 and measured[cases[3]]["step_s"] == 0.5
+
+
+def test_a_bench_run_given_a_cache_directory_compiles_into_it_and_keeps_it(monkeypatch, tmp_path):
+    from graphshard.bench import harness
+
+    seen = []
+    monkeypatch.setattr(harness, "launch", lambda cfg, phase, workdir: seen.append(
+        (phase, os.environ["TORCHINDUCTOR_CACHE_DIR"])) or [])
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", "the caller's")
+    cache = tmp_path / "shared"
+    cache.mkdir()
+    harness.run(BenchConfig(), cache_dir=str(cache))
+    harness.run(BenchConfig())
+    assert seen[:2] == [("timing", str(cache)), ("profile", str(cache))] and cache.is_dir()
+    fresh = seen[2][1]
+    assert seen[3][1] == fresh and fresh not in (str(cache), "the caller's")
+    assert not os.path.exists(fresh)  # a fresh one is removed with the run
+    assert os.environ["TORCHINDUCTOR_CACHE_DIR"] == "the caller's"
 
 
 def test_bench_and_the_tools_share_one_workload_and_one_model_args_parser(capsys):

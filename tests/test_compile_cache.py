@@ -244,6 +244,55 @@ def test_a_graph_aotautograds_cache_cannot_store_is_compiled_by_every_rank(
         assert reason.startswith("AOTAutograd's cache cannot store this graph ("), reason
 
 
+class _Doubled(torch.autograd.Function):
+    """A user's autograd.Function: the cache key cannot stand for its code."""
+
+    @staticmethod
+    def forward(ctx, x):
+        return x * 2
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad * 2
+
+
+class _WithUserFunction(torch.nn.Module):
+    def __init__(self, inner: torch.nn.Module):
+        super().__init__()
+        self.inner = inner
+
+    def forward(self, x):
+        return _Doubled.apply(self.inner(x))
+
+
+@pytest.mark.parametrize("model_kind, bypassed", [
+    ("float8", False), ("a user's autograd.Function", True),
+    ("float8 and a user's autograd.Function", True)])
+def test_float8s_autograd_functions_are_keyed_by_name_and_a_users_still_bypass_the_cache(
+        fake_pg, model_kind, bypassed):
+    """torchao's float8 Linear (its matmul Function and configs in the graph) and graphshard's
+    float8 weight Functions: AOTAutograd's cache stores the graph (the key names each Function,
+    the salt carries torchao's version), so a host compiles it once; a user's Function still
+    keeps the graph from the cache, alone or beside float8's, and each rank compiles it."""
+    import graphshard
+    from graphshard.compiler.backend import GraphshardCompiler
+    from graphshard.compiler.host_compile import per_rank_compile_reason
+    from graphshard.compiler.options import GraphshardOptions
+    from tests.test_float8 import Net, float8_net
+
+    model = float8_net() if model_kind.startswith("float8") else Net()
+    if model_kind.endswith("autograd.Function"):
+        model = _WithUserFunction(model)
+    graphshard.shard(model)
+    compiler = GraphshardCompiler(GraphshardOptions.from_dict({"compiler": "eager"}))
+    torch.compile(model, backend=compiler, fullgraph=True)(torch.randn(8, 20)).sum().backward()
+    torch._dynamo.reset()
+    assert (compiler.cache_bypass is not None) == bypassed, compiler.cache_bypass
+    reason = per_rank_compile_reason(GraphshardOptions.from_dict({}), cached=True,
+                                     bypass=compiler.cache_bypass)
+    assert (reason is not None) == bypassed, reason
+
+
 def test_an_observer_turns_the_cache_off_unless_asked_and_then_keys_it_to_the_job(monkeypatch):
     """An observer wants the graphs themselves, so by default its compiles are not served from
     AOTAutograd's cache; with aot_cache=True they are, on the ranks of its host (the zoo's

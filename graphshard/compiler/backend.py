@@ -147,20 +147,22 @@ class GraphshardCompiler:
             with compat.fake_mode_of_inputs(example_inputs), compat.lazy_graph_modules():
                 return backend(gm, example_inputs)
 
-        self.cache_bypass = compat.aot_cache_bypass_reason(gm)
-        reason = per_rank_compile_reason(self.options, cached=cached, bypass=self.cache_bypass)
-        if reason is None:
-            key = host_compile_key(gm.code, compat.cache_key_salt(gm), example_inputs,
-                                   lambda obj: compat.cache_key_of_object(gm, obj))
-            # the claimant stores the whole compile, backward included, before its first step
-            with compat.backward_compiled_with_forward():
-                compiled_fn = compile_once_per_host(
-                    key, compile_graphs, announce=lambda: self.options.check_schedule
-                    and record_served_from_cache(dynamo_key),
-                    join=lambda: agree_on_minimum(rank_agreement.NEUTRAL_MINIMUM))
-        else:
-            log_per_rank_compile(reason)
-            compiled_fn = compile_graphs()
+        # float8's autograd.Functions (torchao's, ours) are keyed by name, not refused
+        with compat.keyed_package_functions_cacheable(gm):
+            self.cache_bypass = compat.aot_cache_bypass_reason(gm)
+            reason = per_rank_compile_reason(self.options, cached=cached, bypass=self.cache_bypass)
+            if reason is None:
+                key = host_compile_key(gm.code, compat.cache_key_salt(gm), example_inputs,
+                                       lambda obj: compat.cache_key_of_object(gm, obj))
+                # the claimant stores the whole compile, backward included, before its first step
+                with compat.backward_compiled_with_forward():
+                    compiled_fn = compile_once_per_host(
+                        key, compile_graphs, announce=lambda: self.options.check_schedule
+                        and record_served_from_cache(dynamo_key),
+                        join=lambda: agree_on_minimum(rank_agreement.NEUTRAL_MINIMUM))
+            else:
+                log_per_rank_compile(reason)
+                compiled_fn = compile_graphs()
         if self.options.check_schedule and not compiled:  # served by AOTAutograd's cache
             record_served_from_cache(dynamo_key)
         return compiled_fn

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import functools
 import hashlib
+import importlib.metadata
+import sys
 from pathlib import Path
 
 import torch.fx as fx
@@ -47,9 +49,17 @@ def salt_cache_key(gm: fx.GraphModule, options: GraphshardOptions, cluster: Clus
         return False
     job = job_nonce() if observed or options.reshard_after_forward == "auto" else None
     compat.salt_aot_autograd_cache_key(gm, "graphshard-" + hashlib.sha256(
-        repr((options, cluster, _source_digest(), sorted(split.via_all_to_all),
-              job)).encode()).hexdigest()[:32])
+        repr((options, cluster, _source_digest(), _library_versions(),
+              sorted(split.via_all_to_all), job)).encode()).hexdigest()[:32])
     return True
+
+
+def _library_versions() -> tuple[tuple[str, str], ...]:
+    """The versions of the packages besides graphshard whose autograd.Functions the cache may
+    store (compat.KEYED_FUNCTION_PACKAGES: named in the key, their code stood for by this)."""
+    return tuple((name, importlib.metadata.version(name))
+                 for name in compat.KEYED_FUNCTION_PACKAGES
+                 if name != "graphshard" and name in sys.modules)
 
 
 @functools.cache
