@@ -125,8 +125,9 @@ def measure(cases: list[Case], steps: int, repeats: int, warmup: int,
                 summary = summarize(cfg, *run(cfg, cache_dir=cache_dir))
                 for case in group:
                     entry = summary["methods"][case.method(cluster_file)]
-                    if entry.get("status") != "ok":
-                        raise RuntimeError(f"{case.label}: {entry.get('status')}")
+                    if entry.get("status") != "ok" or entry.get("profile_status") != "ok":
+                        raise RuntimeError(f"{case.label}: timing {entry.get('status')}, "
+                                           f"profile {entry.get('profile_status')}")
                     samples[case].append((entry["step_ms"]["median"] / 1e3,
                                           entry["peak_mib"] * 2**20))
     return {case: {"step_s": statistics.median(step for step, _ in runs),
