@@ -53,6 +53,10 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--lr", type=float, default=1e-3)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", default="bench_results.json", help="where to write the results")
+    p.add_argument("--inductor-cache", metavar="DIR",
+                   help="compile into this Inductor cache directory and keep it (a later run "
+                        "loads what this one compiled: its first steps are warm); default: a "
+                        "fresh directory each run, removed after it (first steps compile cold)")
     p.add_argument("--plot", default="bench_results.png",
                    help="PNG of step time and memory (needs matplotlib); '' for none")
     return p
@@ -96,7 +100,7 @@ def main(argv: list[str] | None = None) -> int:
           f"{f' (TP methods: {cfg.nproc // cfg.tp} x {cfg.tp})' if cfg.tp > 1 else ''}, "
           f"global batch {cfg.batch}, seq {cfg.seq}, {cfg.repeats} x {cfg.steps} timed steps, "
           f"methods {', '.join(cfg.methods)}", flush=True)
-    timing, profile = run(cfg)
+    timing, profile = run(cfg, cache_dir=args.inductor_cache)
     summary = summarize(cfg, timing, profile)
     print(format_table(summary))
     print()

@@ -23,6 +23,9 @@ from graphshard.tools.launch import run_local
 
 METHODS = ("ddp_eager", "fsdp2_eager")
 MODEL_ARGS = {"dim": 32, "n_layers": 1}
+# The end-to-end runs compile into the suite's Inductor cache (kernels and host probes other
+# tests built), not each into a fresh one: no test here reads a cold first step.
+SUITE_CACHE = ("--inductor-cache", os.environ["TORCHINDUCTOR_CACHE_DIR"])
 
 
 @pytest.mark.slow  # the bench end to end
@@ -32,7 +35,7 @@ def test_bench_smoke(tmp_path):
     model_args = ",".join(f"{k}={v}" for k, v in MODEL_ARGS.items())
     argv = ["--model", "transformer", "--model-args", model_args, "--nproc", "2",
             "--methods", ",".join(METHODS), "--steps", "2", "--repeats", "1", "--warmup", "1",
-            "--json", str(out), "--plot", str(tmp_path / "plot.png")]
+            *SUITE_CACHE, "--json", str(out), "--plot", str(tmp_path / "plot.png")]
     assert main(argv) == 0
 
     results = json.loads(out.read_text())
@@ -438,7 +441,7 @@ def test_bench_runs_the_compiled_peers_and_they_train_as_ddp(tmp_path):
     model_args = ",".join(f"{k}={v}" for k, v in MODEL_ARGS.items())
     assert main(["--model", "transformer", "--model-args", model_args, "--nproc", "2",
                  "--methods", ",".join(COMPILED_PEERS), "--steps", "2", "--repeats", "1",
-                 "--warmup", "1", "--json", str(out)]) == 0
+                 "--warmup", "1", *SUITE_CACHE, "--json", str(out)]) == 0
     methods = json.loads(out.read_text())["methods"]
     for name in COMPILED_PEERS:
         assert methods[name]["status"] == "ok", (name, methods[name]["status"])
@@ -530,7 +533,7 @@ def test_bench_tensor_parallel_methods_train_as_ddp(tmp_path):
     names = ("ddp_eager", "graphshard_tp", "fsdp2_tp")
     assert main(["--model", "hf-llama", "--model-args", model_args, "--nproc", "2", "--tp", "2",
                  "--methods", ",".join(names), "--steps", "2", "--repeats", "1",
-                 "--warmup", "1", "--json", str(out), "--plot", ""]) == 0
+                 "--warmup", "1", *SUITE_CACHE, "--json", str(out), "--plot", ""]) == 0
     results = json.loads(out.read_text())
     assert results["config"]["tp"] == 2
     for name in names:
@@ -558,7 +561,7 @@ def test_bench_float8_methods_gather_fewer_bytes_and_train_like_fsdp2_with_torch
     names = (bf16, bf16 + "+float8=true", "fsdp2_float8")
     assert main(["--model", "llama", "--model-args", "dim=64,n_layers=1,n_heads=4,n_kv_heads=2",
                  "--nproc", "2", "--methods", ",".join(names), "--steps", "2", "--repeats", "1",
-                 "--warmup", "1", "--json", str(out), "--plot", ""]) == 0
+                 "--warmup", "1", *SUITE_CACHE, "--json", str(out), "--plot", ""]) == 0
     methods = json.loads(out.read_text())["methods"]
     for name in names:
         assert methods[name]["status"] == "ok", (name, methods[name]["status"])
