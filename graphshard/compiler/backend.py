@@ -174,7 +174,7 @@ class OptionsError(ValueError, compat.short_traceback_error()):
     torch.compile only stores `options` and Dynamo passes them to the backend when it compiles
     the first graph, so that is the earliest they can be checked. Dynamo wraps anything a
     backend raises in BackendCompilerFailed, whose first line is "backend='graphshard' raised:",
-    except its own ShortenTraceback (graphshard/_torch_compat.py), which it re-raises as
+    except its own ShortenTraceback (graphshard/_torch_compat/compiling.py), which it re-raises as
     is, with its frames cut above `first_useful_frame`: so our message is the error's first
     line and the traceback ends in graphshard_backend. Still a ValueError to catch."""
 
