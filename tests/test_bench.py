@@ -290,8 +290,9 @@ def test_the_fidelity_bench_runs_every_group_once_a_round_and_keeps_each_configu
 
     def fake_summarize(cfg, _timing, profile):
         n = profile[0]  # the launch's position in the run: every launch measures differently
-        return {"methods": {name: {"status": "ok", "step_ms": {"median": 100.0 * n},
-                                   "peak_mib": float(n)} for name in cfg.methods}}
+        return {"methods": {name: {"status": "ok", "profile_status": "ok",
+                                   "step_ms": {"median": 100.0 * n}, "peak_mib": float(n)}
+                            for name in cfg.methods}}
 
     monkeypatch.setattr(harness, "run", fake_run)
     monkeypatch.setattr(report, "summarize", fake_summarize)

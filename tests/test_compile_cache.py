@@ -266,7 +266,7 @@ class _WithUserFunction(torch.nn.Module):
 
 
 @pytest.mark.parametrize("model_kind, bypassed", [
-    ("float8", False), ("a user's autograd.Function", True),
+    ("float8", False), ("float8 checkpointed", False), ("a user's autograd.Function", True),
     ("float8 and a user's autograd.Function", True)])
 def test_float8s_autograd_functions_are_keyed_by_name_and_a_users_still_bypass_the_cache(
         fake_pg, model_kind, bypassed):
@@ -280,7 +280,9 @@ def test_float8s_autograd_functions_are_keyed_by_name_and_a_users_still_bypass_t
     from graphshard.compiler.options import GraphshardOptions
     from tests.test_float8 import Net, float8_net
 
-    model = float8_net() if model_kind.startswith("float8") else Net()
+    # checkpointed: the float8 Functions sit in the checkpointed region's subgraph
+    model = (float8_net(ac=model_kind.endswith("checkpointed")) if model_kind.startswith("float8")
+             else Net())
     if model_kind.endswith("autograd.Function"):
         model = _WithUserFunction(model)
     graphshard.shard(model)

@@ -276,15 +276,16 @@ def _check_checkpoint(model, optimizer, run: Run, world: int) -> dict[str, bool]
 
 
 def _compiled_once(ranks: list[list[Result]], index: int) -> Result:
-    """Run `index` of the rank that compiled it (its graphs observed), having checked that one
-    rank compiled it and every other rank loaded that compile from the host's cache (torchao's
-    and graphshard's float8 autograd.Functions are keyed by name, not refused by the cache)."""
+    """Run `index` of the rank that compiled it (the only one whose graphs the observer saw),
+    having checked that every other rank loaded that compile from the host's cache (torchao's
+    and graphshard's float8 autograd.Functions are keyed by name, not refused by the cache).
+    (With bf16 parameters the inputs' cast compiles as a graph of its own, on every rank.)"""
     runs = [results[index] for results in ranks]
-    compiled = [r for r in runs if r.cache["autograd_cache_miss"]]
-    assert len(compiled) == 1 and compiled[0].cache["autograd_cache_miss"] == 1, \
+    compiled = [r for r in runs if r.float8_gathers]
+    assert len(compiled) == 1, [(r.cache, sorted(r.float8_gathers)) for r in runs]
+    assert all(r.cache["autograd_cache_bypass"] == 0 for r in runs), [r.cache for r in runs]
+    assert all(r.cache["autograd_cache_hit"] >= 1 for r in runs if r is not compiled[0]), \
         [r.cache for r in runs]
-    loaded = {"autograd_cache_miss": 0, "autograd_cache_hit": 1, "autograd_cache_bypass": 0}
-    assert all(r.cache == loaded for r in runs if r is not compiled[0]), [r.cache for r in runs]
     return compiled[0]
 
 

@@ -115,7 +115,10 @@ def keyed_package_functions_cacheable(gm: fx.GraphModule):
     from torch._functorch._aot_autograd.autograd_cache import AOTAutogradCachePickler
 
     higher_order, marked = False, set()
-    for node in gm.graph.nodes:
+    # the top graph's nodes and those of its subgraphs (a checkpointed region's body)
+    nodes = [node for module in gm.modules() if isinstance(module, fx.GraphModule)
+             for node in module.graph.nodes]
+    for node in nodes:
         if node.op != "call_function":
             continue
         target = node.target
