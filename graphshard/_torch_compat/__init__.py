@@ -5,7 +5,7 @@ tensors, pytrees, module internals), every name re-exported here, where callers 
 (`compat.name`, which a test may replace).
 
 Each entry says what it is for and what public API would replace it. torch 2.13 is the version
-the test suite runs on (pyproject pins it); a torch upgrade starts by re-checking this file.
+the test suite runs on (pyproject pins it); a torch upgrade starts by re-checking this package.
 """
 
 from graphshard._torch_compat.compiling import (  # noqa: F401

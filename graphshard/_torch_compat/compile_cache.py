@@ -1,4 +1,7 @@
-"""AOTAutograd's and Inductor's caches: what their keys cover, what they refuse. (Part of graphshard._torch_compat: see its docstring.)"""
+"""AOTAutograd's and Inductor's caches: what their keys cover, what they refuse.
+
+Part of graphshard._torch_compat (see its docstring): every public name here is re-exported there.
+"""
 
 from __future__ import annotations
 

@@ -1,4 +1,7 @@
-"""Dynamo, AOTAutograd and Inductor: the hooks graphshard's backend compiles through. (Part of graphshard._torch_compat: see its docstring.)"""
+"""Dynamo, AOTAutograd and Inductor: the hooks graphshard's backend compiles through.
+
+Part of graphshard._torch_compat (see its docstring): every public name here is re-exported there.
+"""
 
 from __future__ import annotations
 

@@ -1,4 +1,7 @@
-"""Process groups, device meshes and DTensor internals. (Part of graphshard._torch_compat: see its docstring.)"""
+"""Process groups, device meshes and DTensor internals.
+
+Part of graphshard._torch_compat (see its docstring): every public name here is re-exported there.
+"""
 
 from __future__ import annotations
 

@@ -1,4 +1,7 @@
-"""Tensors, fake tensors, pytrees and module internals. (Part of graphshard._torch_compat: see its docstring.)"""
+"""Tensors, fake tensors, pytrees and module internals.
+
+Part of graphshard._torch_compat (see its docstring): every public name here is re-exported there.
+"""
 
 from __future__ import annotations
 
