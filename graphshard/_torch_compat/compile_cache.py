@@ -90,17 +90,40 @@ def _from_keyed_package(qualified_name: str) -> bool:
     return qualified_name.split(".", 1)[0] in KEYED_FUNCTION_PACKAGES
 
 
-def _called_from_keyed_package(node: fx.Node) -> bool:
-    """Whether the innermost frame of `node`'s stack trace is in a KEYED_FUNCTION_PACKAGES
-    package's directory (where a traced autograd.Function was applied)."""
+def _keyed_package_roots() -> list[str]:
     import os
-    import re
     import sys
 
-    files = re.findall(r'File "([^"]+)", line', node.meta.get("stack_trace") or "")
-    roots = [os.path.dirname(os.path.abspath(sys.modules[name].__file__)) + os.sep
-             for name in KEYED_FUNCTION_PACKAGES if name in sys.modules]
-    return bool(files) and any(os.path.abspath(files[-1]).startswith(root) for root in roots)
+    return [os.path.dirname(os.path.abspath(sys.modules[name].__file__)) + os.sep
+            for name in KEYED_FUNCTION_PACKAGES if name in sys.modules]
+
+
+def _keyed_package_calls(gm: fx.GraphModule) -> tuple[bool, set[str]] | None:
+    """What in `gm` and its subgraphs (a checkpointed region's body) keeps AOTAutograd's cache
+    from storing it and comes from KEYED_FUNCTION_PACKAGES: (whether an autograd.Function
+    traced into the graph was applied there, found by the innermost frame of its stack trace;
+    the qualified names of the calls left in the graph), or None where a Function of another
+    package (a user's) is among them."""
+    import os
+    import re
+
+    roots, higher_order, marked = _keyed_package_roots(), False, set()
+    nodes = [node for module in gm.modules() if isinstance(module, fx.GraphModule)
+             for node in module.graph.nodes if node.op == "call_function"]
+    for node in nodes:
+        target = node.target
+        if target is torch.ops.higher_order.autograd_function_apply:
+            files = re.findall(r'File "([^"]+)", line', node.meta.get("stack_trace") or "")
+            if not files or not os.path.abspath(files[-1]).startswith(tuple(roots)):
+                return None
+            higher_order = True
+        elif (function := _trampoline_function(target)) is not None:
+            if not _from_keyed_package(function.__module__):
+                return None
+            marked.add(f"{target.__module__}.{target.__name__}")
+        elif isinstance(target, type) and _from_keyed_package(target.__module__):
+            marked.add(f"{target.__module__}.{target.__name__}")
+    return higher_order, marked
 
 
 @contextmanager
@@ -117,29 +140,11 @@ def keyed_package_functions_cacheable(gm: fx.GraphModule):
     import torch._inductor.config as inductor_config
     from torch._functorch._aot_autograd.autograd_cache import AOTAutogradCachePickler
 
-    higher_order, marked = False, set()
-    # the top graph's nodes and those of its subgraphs (a checkpointed region's body)
-    nodes = [node for module in gm.modules() if isinstance(module, fx.GraphModule)
-             for node in module.graph.nodes]
-    for node in nodes:
-        if node.op != "call_function":
-            continue
-        target = node.target
-        if target is torch.ops.higher_order.autograd_function_apply:
-            if not _called_from_keyed_package(node):
-                yield
-                return
-            higher_order = True
-        elif (function := _trampoline_function(target)) is not None:
-            if not _from_keyed_package(function.__module__):
-                yield
-                return
-            marked.add(f"{target.__module__}.{target.__name__}")
-        elif isinstance(target, type) and _from_keyed_package(target.__module__):
-            marked.add(f"{target.__module__}.{target.__name__}")
-    if not higher_order and not marked:
+    calls = _keyed_package_calls(gm)
+    if calls is None or calls == (False, set()):
         yield
         return
+    higher_order, marked = calls
 
     original = AOTAutogradCachePickler._format_global_for_cache_key
 
