@@ -303,12 +303,16 @@ def _assert_float8_gathers(result: Result) -> None:
 
 @pytest.mark.slow
 def test_float8_matches_fsdp2_world_2(tmp_path):
+    native = (("all_gather", "native"), ("reduce_scatter", "native"))  # the NCCL path's
     runs = [Run("fsdp2"), Run("graphshard", checkpoint_dir=str(tmp_path)),
-            Run("fsdp2", float8=False), Run("graphshard", once_per_host=False)]
+            Run("fsdp2", float8=False), Run("graphshard", once_per_host=False),
+            Run("graphshard", options=native)]
     ranks = run_local(worker, 2, runs)
-    fsdp2, ours, unconverted, every_rank = ranks[0]
+    fsdp2, ours, unconverted, every_rank, on_native = ranks[0]
     _assert_matches(ours, fsdp2)
     _assert_float8_gathers(_compiled_once(ranks, 1))
+    _assert_matches(on_native, fsdp2)  # native collectives: once per host too
+    assert set(_compiled_once(ranks, 4).float8_gathers) == set(CONVERTED)
     # the rank that loaded its host's compile computes what compiling on every rank computes
     assert ours.losses == every_rank.losses
     assert all(results[3].cache["autograd_cache_miss"] == 0 for results in ranks)  # cache off
