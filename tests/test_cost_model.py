@@ -393,6 +393,10 @@ def test_calibrate_two_gloo_processes(tmp_path):
                  "skew_after_1ms_s", "shared_core_skew_after_1ms_s"):
         assert getattr(spec, name) > 0, name
     assert len(spec.attention_flops) == len(calibration.ATTENTION_SHAPES)
+    # every elementwise family timed in Inductor's code; a power costs more than a multiply-add
+    rates = dict(spec.elementwise_s)
+    assert set(rates) == set(calibration._ELEMENTWISE_CHAINS)
+    assert rates["pow"] > rates["arith"] > 0
     # two ranks on two cores: compute fills them, gloo's threads cannot run beside it
     cores = __import__("os").cpu_count() or 1
     assert spec.comm_overlaps_compute == (cores > 2)

@@ -23,6 +23,7 @@ from torch.fx.experimental.symbolic_shapes import optimization_hint
 from torch.utils.flop_counter import flop_registry, sdpa_backward_flop_count, sdpa_flop_count
 
 from graphshard._torch_compat import is_op_overload, process_group_size
+from graphshard.compiler.elementwise_cost import elementwise_seconds
 from graphshard.passes import meta_keys
 from graphshard.passes.graph_utils import (COLLECTIVES, FREE_STORAGE, collective_group, collective_kind,
                                           exchange_share, full_buffer, is_collective, is_view,
@@ -95,8 +96,24 @@ class ClusterSpec:
     # (sequence x head_dim, fp32 FLOP/s, bf16/fp16 FLOP/s), interpolated in between; empty:
     # the matmul peak of the precision.
     attention_flops: tuple[tuple[float, float, float], ...] = ()
+    # Seconds one evaluation of an elementwise op takes in a fused kernel, by op family
+    # (elementwise_cost.FAMILIES, and "arith" for the rest): rows of (family, seconds). Where a
+    # family has a row, an elementwise node costs at least its evaluations at that rate
+    # (elementwise_cost.kernel_evaluations); empty: the roofline alone.
+    elementwise_s: tuple[tuple[str, float], ...] = ()
 
     def __post_init__(self) -> None:
+        from graphshard.compiler.elementwise_cost import ARITH, FAMILIES
+
+        known = (*FAMILIES, ARITH)
+        try:
+            rows = tuple(sorted((str(name), float(s)) for name, s in self.elementwise_s))
+        except (TypeError, ValueError):
+            rows = (("", -1.0),)
+        if any(name not in known or not (math.isfinite(s) and s > 0) for name, s in rows):
+            raise ValueError(f"ClusterSpec.elementwise_s must be rows of (family, seconds > 0) "
+                             f"with a family of {known}, got {self.elementwise_s!r}")
+        object.__setattr__(self, "elementwise_s", rows)
         rows = tuple(tuple(float(v) for v in row) for row in self.attention_flops)
         if any(len(row) != 3 or min(row) <= 0 or not all(map(math.isfinite, row)) for row in rows):
             raise ValueError("ClusterSpec.attention_flops must be rows of (sequence x head_dim, "
@@ -110,7 +127,8 @@ class ClusterSpec:
                              f"{self.collective_backend!r}")
         for f in dataclasses.fields(self):
             value = getattr(self, f.name)
-            if (f.name in ("comm_overlaps_compute", "collective_backend", "attention_flops")
+            if (f.name in ("comm_overlaps_compute", "collective_backend", "attention_flops",
+                           "elementwise_s")
                     or (value is None and f.default is None)):
                 continue
             # 0 is a meaningful idealisation for the fixed costs, never for a rate we divide by.
@@ -165,6 +183,7 @@ class ClusterSpec:
             skew_after_1ms_s=(self.skew_after_1ms_s if self.shared_core_skew_after_1ms_s is None
                               else self.shared_core_skew_after_1ms_s),
             memory_bandwidth_Bps=self.memory_bandwidth_Bps / share,
+            elementwise_s=tuple((name, seconds * share) for name, seconds in self.elementwise_s),
             latency_s=self.latency_s * share, bandwidth_Bps=self.bandwidth_Bps / share,
             kernel_overhead_s=self.kernel_overhead_s * share,
             step_overhead_s=self.step_overhead_s * share)
@@ -381,8 +400,11 @@ def _attention_size(node: fx.Node, packet: Any) -> float | None:
     return float(_scalar(sequence, False) * _scalar(head_dim, False))
 
 
-def node_cost(node: fx.Node, spec: ClusterSpec, *, symbolic: bool = False) -> NodeCost:
-    """Roofline cost of one compute node: max(flops/peak, bytes/mem_bw) + kernel overhead.
+def node_cost(node: fx.Node, spec: ClusterSpec, *, symbolic: bool = False,
+              evaluations: int | None = None) -> NodeCost:
+    """Roofline cost of one compute node: max(flops/peak, bytes/mem_bw) + kernel overhead;
+    an elementwise node's, given how often the fused kernels compute it (`evaluations`,
+    elementwise_cost.kernel_evaluations), at least that at its family's measured rate.
 
     Zero for placeholders, outputs, get_attr, views, getitem, frees, non-aten calls (SymInt math)
     and collectives/waits (those are collective_node_cost's). FLOPs come from
@@ -412,6 +434,8 @@ def node_cost(node: fx.Node, spec: ClusterSpec, *, symbolic: bool = False) -> No
         return NodeCost(flops, nbytes, as_number_if_constant(seconds + sympy.Float(spec.kernel_overhead_s)))
     peak = spec.peak_flops(_compute_dtype(node), _attention_size(node, packet)) if flops else 1.0
     seconds = max(flops / peak, nbytes / spec.memory_bandwidth_Bps)
+    if evaluations and spec.elementwise_s:
+        seconds = max(seconds, elementwise_seconds(node, evaluations, dict(spec.elementwise_s)))
     return NodeCost(int(flops), int(nbytes), seconds + spec.kernel_overhead_s)
 
 

@@ -12,6 +12,7 @@ import torch.fx as fx
 
 from graphshard.compiler.cost_model import (ClusterSpec, CollectiveCost, GroupSizes, collective_node_cost,
                                    is_plain_number, node_cost)
+from graphshard.compiler.elementwise_cost import kernel_evaluations
 from graphshard.passes import meta_keys
 from graphshard.passes.graph_utils import collective_group, is_collective, is_wait
 from graphshard.passes.liveness import MemoryEstimate, graph_memory
@@ -130,7 +131,9 @@ def graph_estimate(gm: fx.GraphModule | fx.Graph, spec: ClusterSpec,
     flops, model_compute_s = 0, 0.0
     events: list[Event] = []
     issued: dict[fx.Node, tuple[CollectiveCost, float, float, float]] = {}
-    for node in (gm.graph if isinstance(gm, fx.GraphModule) else gm).nodes:
+    graph = gm.graph if isinstance(gm, fx.GraphModule) else gm
+    evaluations = kernel_evaluations(graph) if spec.elementwise_s else {}
+    for node in graph.nodes:
         if node.op != "call_function":
             continue
         if is_collective(node):
@@ -153,7 +156,7 @@ def graph_estimate(gm: fx.GraphModule | fx.Graph, spec: ClusterSpec,
                     events.append(Event(node.name, "compute", compute_t, end - compute_t, "wait"))
                     compute_t = end
         else:
-            cost = node_cost(node, spec)
+            cost = node_cost(node, spec, evaluations=evaluations.get(node))
             events.append(Event(node.name, "compute", compute_t, cost.seconds, "compute"))
             compute_t += cost.seconds
             flops += cost.flops

@@ -15,7 +15,7 @@ import os
 import statistics
 import sys
 import time
-from typing import Any, Iterable, Sequence
+from typing import Any, Callable, Iterable, Sequence
 
 import torch
 import torch.distributed as dist
@@ -200,9 +200,42 @@ def attention_rates(repeats: int) -> tuple[tuple[float, float, float], ...]:
     return tuple(rows)
 
 
+# One step of each family's chain (elementwise_cost.FAMILIES), kept in a bounded range so a
+# long chain stays finite; "arith" is a multiply-add, counted as two evaluations.
+_ELEMENTWISE_CHAINS: dict[str, tuple[Callable[[torch.Tensor], torch.Tensor], int]] = {
+    "arith": (lambda y: y * 0.999 + 0.001, 2),
+    "exp": (lambda y: torch.exp(-y), 1),
+    "log": (lambda y: torch.log1p(y), 1),
+    "trig": (torch.sin, 1),
+    "tanh": (torch.tanh, 1),
+    "erf": (torch.erf, 1),
+    "pow": (lambda y: 0.5 ** y, 1),
+    "sqrt": (lambda y: torch.rsqrt(y + 1.0), 1),
+}
+_CHAIN_LENGTH = 16
+
+
+def elementwise_costs(repeats: int) -> tuple[tuple[str, float], ...]:
+    """ClusterSpec.elementwise_s: seconds per evaluation of each op family in Inductor's fused
+    code, from a chain of _CHAIN_LENGTH evaluations per element over a cache-sized tensor (the
+    memory traffic, one read and one write, is a few percent of it)."""
+    x = torch.rand(1 << 16)
+    rows = []
+    for family, (link, evaluations) in _ELEMENTWISE_CHAINS.items():
+        def chain(y, link=link):
+            for _ in range(_CHAIN_LENGTH):
+                y = link(y)
+            return y
+
+        compiled = torch.compile(chain, dynamic=False)
+        seconds = _median_time(lambda: compiled(x), repeats)
+        rows.append((family, seconds / (_CHAIN_LENGTH * evaluations * x.numel())))
+    return tuple(rows)
+
+
 def measure_compute(repeats: int = 10) -> dict[str, Any]:
     """flops_per_s and low_precision_flops_per_s (a step's matmuls, fp32 and bf16),
-    attention_flops, memory_bandwidth_Bps (64 MiB copy), kernel_overhead_s."""
+    attention_flops, elementwise_s, memory_bandwidth_Bps (64 MiB copy), kernel_overhead_s."""
     src = torch.empty(16 << 20)
     dst = torch.empty_like(src)
     tiny = torch.ones(4)
@@ -210,6 +243,7 @@ def measure_compute(repeats: int = 10) -> dict[str, Any]:
         "flops_per_s": matmul_rate(torch.float32, repeats),
         "low_precision_flops_per_s": matmul_rate(torch.bfloat16, repeats),
         "attention_flops": attention_rates(repeats),
+        "elementwise_s": elementwise_costs(repeats),
         "memory_bandwidth_Bps": 2 * src.numel() * 4 / _median_time(lambda: dst.copy_(src),
                                                                     repeats),
         "kernel_overhead_s": _median_time(lambda: torch.add(tiny, tiny), 20 * repeats),
@@ -237,6 +271,9 @@ def median_spec(specs: Sequence[ClusterSpec]) -> ClusterSpec:
             values[field.name] = tuple(
                 (rows[0][0], statistics.median(r[1] for r in rows),
                  statistics.median(r[2] for r in rows)) for rows in zip(*measured))
+        elif field.name == "elementwise_s":
+            values[field.name] = tuple((rows[0][0], statistics.median(r[1] for r in rows))
+                                       for rows in zip(*measured))
         elif all(isinstance(v, float) for v in measured):
             values[field.name] = statistics.median(measured)
         else:

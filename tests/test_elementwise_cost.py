@@ -1,0 +1,131 @@
+"""Elementwise cost: how often Inductor's fused kernels compute each elementwise node (a table
+inlined into its readers is recomputed per reader's element), and the measured rates on top of
+the roofline, on make_fx graphs with Inductor's decompositions."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+from torch._inductor.decomposition import select_decomp_table
+from torch.fx.experimental.proxy_tensor import make_fx
+
+from graphshard.compiler.cost_model import ClusterSpec, node_cost
+from graphshard.compiler.elementwise_cost import ARITH, FAMILIES, family, kernel_evaluations
+from graphshard.compiler.simulator import graph_estimate
+
+aten = torch.ops.aten
+SPEC = ClusterSpec(latency_s=1e-3, bandwidth_Bps=1e9, flops_per_s=1e9,
+                   memory_bandwidth_Bps=1e10, kernel_overhead_s=0.0)
+RATES = (("arith", 1e-11), ("pow", 3e-9), ("trig", 1e-9), ("exp", 1e-9))
+BATCH, HEADS, SEQ, HEAD_DIM = 2, 4, 16, 8
+
+
+def _graph(fn, *args):
+    return make_fx(fn, decomposition_table=select_decomp_table(), tracing_mode="fake")(*args)
+
+
+def _rotary(q, w):
+    """A Llama's rotary embedding with its tables computed in forward, then a matmul."""
+    inv_freq = 1.0 / (10000.0 ** (torch.arange(0, HEAD_DIM, 2).float() / HEAD_DIM))
+    angles = torch.outer(torch.arange(SEQ).float(), inv_freq)
+    cos, sin = angles.cos(), angles.sin()
+    q1, q2 = q[..., ::2], q[..., 1::2]
+    rotated = torch.stack((q1 * cos - q2 * sin, q1 * sin + q2 * cos), dim=-1).flatten(-2)
+    return rotated @ w
+
+
+def _nodes(gm, target):
+    return [n for n in gm.graph.nodes if n.target == target]
+
+
+@pytest.fixture(scope="module")
+def rotary():
+    return _graph(_rotary, torch.randn(BATCH, HEADS, SEQ, HEAD_DIM), torch.randn(HEAD_DIM, HEAD_DIM))
+
+
+def test_a_table_inlined_into_its_readers_is_computed_once_per_readers_element(rotary):
+    evaluations = kernel_evaluations(rotary.graph)
+    half = BATCH * HEADS * SEQ * HEAD_DIM // 2  # each product's elements
+    (cos,), (sin,) = _nodes(rotary, aten.cos.default), _nodes(rotary, aten.sin.default)
+    # written as 16 x 4 values, read by two products of `half` elements each
+    assert cos.meta["val"].numel() == SEQ * HEAD_DIM // 2
+    assert evaluations[cos] == evaluations[sin] == 2 * half
+    # the power under them is recomputed for every evaluation of either
+    (power,) = _nodes(rotary, aten.pow.Scalar)
+    assert evaluations[power] == 4 * half
+    # what the stack (and so the matmul) reads is written out, each element computed once
+    (difference,) = _nodes(rotary, aten.sub.Tensor)
+    assert evaluations[difference] == half
+
+
+def test_a_value_read_by_a_matmul_or_by_many_readers_of_a_long_definition_is_written_once():
+    def silu_then_matmul(x, w):
+        return torch.nn.functional.silu(x) @ w
+
+    gm = _graph(silu_then_matmul, torch.randn(32, 16), torch.randn(16, 8))
+    evaluations = kernel_evaluations(gm.graph)
+    assert [evaluations[n] for n in _nodes(gm, aten.exp.default)] == [32 * 16]
+
+    def long_then_reused(x, y):
+        for _ in range(40):  # past Inductor's 30 ops: cheaper to write out than recompute
+            x = x * 1.01 + 0.5
+        return x + y, x * y
+
+    gm = _graph(long_then_reused, torch.randn(64), torch.randn(8, 64))
+    evaluations = kernel_evaluations(gm.graph)
+    last = max((n for n in gm.graph.nodes if n.target == aten.add.Tensor and len(n.users) == 2),
+               key=lambda n: list(gm.graph.nodes).index(n))
+    assert evaluations[last] == 64
+
+    def short_then_reused(x, y):
+        x = x * 1.01 + 0.5
+        return x + y, x * y
+
+    gm = _graph(short_then_reused, torch.randn(64), torch.randn(8, 64))
+    evaluations = kernel_evaluations(gm.graph)
+    shared = next(n for n in gm.graph.nodes if n.target == aten.add.Tensor and len(n.users) == 2)
+    assert evaluations[shared] == 2 * 8 * 64  # inlined into both broadcasting readers
+
+
+def test_families_follow_what_inductor_computes():
+    gm = _graph(lambda x: (x.pow(2), x.pow(0.5), 2.0 ** x, torch.sigmoid(x), x + 1, x @ x.t(),
+                           torch.tanh(x)), torch.randn(4, 4))
+    kinds = {n.target: family(n) for n in gm.graph.nodes if n.op == "call_function"}
+    assert kinds[aten.mm.default] is None
+    assert kinds[aten.pow.Scalar] == "pow"
+    assert kinds[aten.add.Tensor] == ARITH
+    assert kinds[aten.tanh.default] == "tanh"
+    # x ** 2 is a multiplication in Inductor's code; x ** 0.5 is a power
+    squares = [family(n) for n in _nodes(gm, aten.pow.Tensor_Scalar)]
+    assert sorted(squares) == [ARITH, "pow"]
+    # sigmoid decomposes to exp, whose family it is
+    assert "exp" in {family(n) for n in gm.graph.nodes if n.op == "call_function"}
+
+
+def test_node_cost_is_at_least_the_evaluations_at_their_rate_and_the_estimate_adds_it(rotary):
+    spec = dataclasses.replace(SPEC, elementwise_s=RATES)
+    (cos,) = _nodes(rotary, aten.cos.default)
+    roofline = node_cost(cos, spec).seconds
+    assert node_cost(cos, SPEC, evaluations=10**6).seconds == roofline  # no rates: the roofline
+    assert node_cost(cos, spec, evaluations=10**6).seconds == pytest.approx(max(roofline, 1e-3))
+    evaluations = kernel_evaluations(rotary.graph)
+    added = graph_estimate(rotary, spec).compute_s - graph_estimate(rotary, SPEC).compute_s
+    # the trig and power evaluations alone, at their rates, bound it from below
+    floor = sum(evaluations[n] * dict(RATES)[family(n)] for n in rotary.graph.nodes
+                if family(n) in ("pow", "trig"))
+    assert added >= floor * 0.9 > 0
+
+
+def test_cluster_spec_elementwise_rows_are_checked_scaled_and_round_trip(tmp_path):
+    spec = dataclasses.replace(SPEC, elementwise_s=RATES, compute_slots_per_node=2)
+    assert [name for name, _ in spec.elementwise_s] == sorted(name for name, _ in RATES)
+    spec.to_json(tmp_path / "spec.json")
+    assert ClusterSpec.from_json(tmp_path / "spec.json") == spec
+    shared = dict(spec.shared_by(3).elementwise_s)  # 3 ranks on 2 slots: 1.5x as long
+    assert shared["pow"] == pytest.approx(1.5 * 3e-9)
+    for bad in ((("cosine", 1e-9),), (("pow", -1.0),), (("pow",),)):
+        with pytest.raises(ValueError, match="elementwise_s"):
+            dataclasses.replace(SPEC, elementwise_s=bad)
+    assert set(FAMILIES) | {ARITH} >= {name for name, _ in RATES}
