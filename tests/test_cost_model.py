@@ -410,14 +410,18 @@ def test_calibrate_cli(tmp_path, monkeypatch, capsys):
     def fake_calibrate(world_size, repeats, samples, rounds):
         assert rounds == 3  # the default: a median over three whole measurements
         samples.extend([(1024, 0.36e-3), (4 << 20, 3e-3)])
-        return ClusterSpec.default()
+        return measured
 
+    # every kind of field a calibration fills: numbers, flags, rows of numbers, named rows
+    measured = dataclasses.replace(ClusterSpec.default(), attention_flops=((2048.0, 1e10, 2e9),),
+                                   elementwise_s=(("pow", 2.8e-9), ("arith", 5e-11)))
     monkeypatch.setattr(calibration, "calibrate", fake_calibrate)
     out = tmp_path / "machine.json"
     assert calibration.main(["--world-size", "2", "--out", str(out)]) == 0
     printed = capsys.readouterr().out
     assert "latency_s" in printed and "measured ms" in printed and str(out) in printed
-    assert ClusterSpec.from_json(out) == ClusterSpec.default()
+    assert "(pow, 2.8e-09)" in printed
+    assert ClusterSpec.from_json(out) == measured
     with pytest.raises(SystemExit):
         calibration.main(["--world-size", "1"])
     with pytest.raises(SystemExit):
@@ -429,12 +433,16 @@ def test_calibration_rounds_keep_each_measured_parameters_median():
     number is the median of the rounds', attention rates row by row; flags and counts stay."""
     rounds = [dataclasses.replace(ClusterSpec.default(), latency_s=latency, flops_per_s=flops,
                                   comm_overlaps_compute=False, compute_slots_per_node=2,
-                                  attention_flops=((2048, fp32, 2 * fp32), (8192, 3 * fp32, fp32)))
+                                  attention_flops=((2048, fp32, 2 * fp32), (8192, 3 * fp32, fp32)),
+                                  elementwise_s=(("arith", fp32 * 1e-21), ("pow", fp32 * 1e-19)))
               for latency, flops, fp32 in ((1e-3, 9e10, 4e10), (3e-4, 8e10, 6e10),
                                            (4e-4, 1.2e11, 5e10))]
     spec = calibration.median_spec(rounds)
     assert (spec.latency_s, spec.flops_per_s) == (4e-4, 9e10)
     assert spec.attention_flops == ((2048, 5e10, 1e11), (8192, 1.5e11, 5e10))
+    rates = dict(spec.elementwise_s)
+    assert list(rates) == ["arith", "pow"]
+    assert (rates["arith"], rates["pow"]) == pytest.approx((5e-11, 5e-9))
     assert spec.bandwidth_Bps == ClusterSpec.default().bandwidth_Bps  # alike in every round
     assert (spec.comm_overlaps_compute, spec.compute_slots_per_node) == (False, 2)
     assert calibration.median_spec(rounds[:1]) == rounds[0]

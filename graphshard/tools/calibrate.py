@@ -313,6 +313,10 @@ def _calibrate_once(world_size: int, sizes: Sequence[int], repeats: int,
                        **compute)
 
 
+def _short(value: Any) -> str:
+    return value if isinstance(value, str) else f"{value:.3g}"
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     from tabulate import tabulate
     parser = argparse.ArgumentParser(prog="graphshard calibrate",
@@ -330,16 +334,17 @@ def main(argv: Sequence[str] | None = None) -> int:
         parser.error("--world-size must be >= 2, --repeats and --rounds >= 1")
     samples: list[tuple[int, float]] = []
     spec = calibrate(args.world_size, repeats=args.repeats, samples=samples, rounds=args.rounds)
+    if args.out:  # first: the measurement is kept whatever the printing does
+        spec.to_json(args.out)
     print(tabulate([(b, t * 1e3, collective_time("all_gather", b, args.world_size, spec) * 1e3)
                     for b, t in samples],
                    headers=["all_gather bytes", "measured ms", "model ms"], floatfmt=".3f"))
     print()
     print(tabulate([(k, "-" if v is None or v == () else v if isinstance(v, (bool, str))
-                     else ", ".join(f"({', '.join(f'{x:.3g}' for x in row)})" for row in v)
+                     else ", ".join(f"({', '.join(_short(x) for x in row)})" for row in v)
                      if isinstance(v, tuple) else f"{v:.4g}")
                     for k, v in dataclasses.asdict(spec).items()],
                    headers=["parameter", "value"]))
     if args.out:
-        spec.to_json(args.out)
         print(f"\nwrote {args.out}")
     return 0
