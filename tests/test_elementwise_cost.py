@@ -11,7 +11,7 @@ import torch
 from torch._inductor.decomposition import select_decomp_table
 from torch.fx.experimental.proxy_tensor import make_fx
 
-from graphshard.compiler.cost_model import ClusterSpec, node_cost
+from graphshard.compiler.cost_model import ClusterSpec, compute_seconds, node_cost
 from graphshard.compiler.elementwise_cost import ARITH, FAMILIES, family, kernel_evaluations
 from graphshard.compiler.simulator import graph_estimate
 
@@ -111,6 +111,10 @@ def test_node_cost_is_at_least_the_evaluations_at_their_rate_and_the_estimate_ad
     assert node_cost(cos, SPEC, evaluations=10**6).seconds == roofline  # no rates: the roofline
     assert node_cost(cos, spec, evaluations=10**6).seconds == pytest.approx(max(roofline, 1e-3))
     evaluations = kernel_evaluations(rotary.graph)
+    # the scheduler and "auto" price a node as the simulator does
+    priced = compute_seconds(spec, rotary)
+    assert priced(cos) == node_cost(cos, spec, evaluations=evaluations[cos]).seconds > roofline
+    assert compute_seconds(SPEC, rotary)(cos) == roofline
     added = graph_estimate(rotary, spec).compute_s - graph_estimate(rotary, SPEC).compute_s
     # the trig and power evaluations alone, at their rates, bound it from below
     floor = sum(evaluations[n] * dict(RATES)[family(n)] for n in rotary.graph.nodes

@@ -14,7 +14,7 @@ import json
 import math
 import os
 from dataclasses import dataclass
-from typing import Any, Mapping, Sequence, Union
+from typing import Any, Callable, Mapping, Sequence, Union
 
 import sympy
 import torch
@@ -23,7 +23,7 @@ from torch.fx.experimental.symbolic_shapes import optimization_hint
 from torch.utils.flop_counter import flop_registry, sdpa_backward_flop_count, sdpa_flop_count
 
 from graphshard._torch_compat import is_op_overload, process_group_size
-from graphshard.compiler.elementwise_cost import elementwise_seconds
+from graphshard.compiler.elementwise_cost import elementwise_seconds, kernel_evaluations
 from graphshard.passes import meta_keys
 from graphshard.passes.graph_utils import (COLLECTIVES, FREE_STORAGE, collective_group, collective_kind,
                                           exchange_share, full_buffer, is_collective, is_view,
@@ -437,6 +437,16 @@ def node_cost(node: fx.Node, spec: ClusterSpec, *, symbolic: bool = False,
     if evaluations and spec.elementwise_s:
         seconds = max(seconds, elementwise_seconds(node, evaluations, dict(spec.elementwise_s)))
     return NodeCost(int(flops), int(nbytes), seconds + spec.kernel_overhead_s)
+
+
+def compute_seconds(spec: ClusterSpec, *graphs: fx.GraphModule) -> Callable[[fx.Node], float]:
+    """node -> its `node_cost` seconds, elementwise nodes priced by how often `graphs`' fused
+    kernels compute them: how the scheduler, `"auto"` and the simulator all price a node."""
+    evaluations: dict[fx.Node, int] = {}
+    if spec.elementwise_s:
+        for gm in graphs:
+            evaluations.update(kernel_evaluations(gm.graph))
+    return lambda node: node_cost(node, spec, evaluations=evaluations.get(node)).seconds
 
 
 GroupSizes = Union[int, sympy.Expr, Mapping[str, Any], None]

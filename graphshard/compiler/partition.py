@@ -14,7 +14,7 @@ import torch.fx as fx
 
 from graphshard import _torch_compat as compat
 from graphshard.compiler.auto_reshard import longest_fitting_prefix
-from graphshard.compiler.cost_model import collective_time, node_cost
+from graphshard.compiler.cost_model import collective_time, compute_seconds
 from graphshard.compiler.pipeline import run_pipeline
 from graphshard.passes.graph_utils import is_reduce_grad, is_unshard, tensor_bytes, unshard_specs
 from graphshard.passes.keep_gathered import keep_gathered
@@ -67,7 +67,7 @@ def _keeping_costs_peak_memory(compiler: GraphshardCompiler, joint, forward, bac
     group_size = max(spec.gather_size for name, spec in unshard_specs(joint).items()
                      if name in params)
     return keeping_costs_peak_memory(
-        forward, backward, params, lambda node: node_cost(node, compiler.cluster).seconds,
+        forward, backward, params, compute_seconds(compiler.cluster, forward, backward),
         lambda nbytes: collective_time("all_gather", nbytes, group_size, compiler.cluster),
         send_buffer="all_gather" in compiler.split_context.via_all_to_all)
 

@@ -20,7 +20,7 @@ from typing import Callable
 
 import torch.fx as fx
 
-from graphshard.compiler.cost_model import ClusterSpec, collective_node_cost, node_cost
+from graphshard.compiler.cost_model import ClusterSpec, collective_node_cost, compute_seconds
 from graphshard.compiler.options import GraphshardOptions
 from graphshard.compiler.rank_agreement import first_published
 from graphshard.passes import meta_keys
@@ -56,7 +56,7 @@ def _schedule(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
         within_peak=ctx.options.overlap_within_peak,
         freed_inputs=frozenset(saved_activations(gm)) if ctx.graph_kind == "backward" else frozenset(),
         via_all_to_all=ctx.via_all_to_all,
-        compute_seconds=lambda node: node_cost(node, cluster).seconds,
+        compute_seconds=compute_seconds(cluster, gm),
         collective_seconds=lambda node: collective_node_cost(node, cluster).seconds,
     )
     return _agreed_order(reorder_collectives(gm, policy), ctx)
