@@ -133,3 +133,9 @@ def test_cluster_spec_elementwise_rows_are_checked_scaled_and_round_trip(tmp_pat
         with pytest.raises(ValueError, match="elementwise_s"):
             dataclasses.replace(SPEC, elementwise_s=bad)
     assert set(FAMILIES) | {ARITH} >= {name for name, _ in RATES}
+
+
+def test_symbolic_sizes_count_at_their_hints():
+    gm = make_fx(lambda x: torch.cos(x) * x, tracing_mode="symbolic")(torch.randn(12, 5))
+    (cos,) = _nodes(gm, aten.cos.default)
+    assert kernel_evaluations(gm.graph)[cos] == 60

@@ -22,6 +22,7 @@ from typing import Mapping
 
 import torch
 import torch.fx as fx
+from torch.fx.experimental.symbolic_shapes import optimization_hint
 
 from graphshard._torch_compat import is_op_overload
 from graphshard.passes.graph_utils import is_view
@@ -81,10 +82,9 @@ def _numel(node: fx.Node) -> int:
     val = node.meta.get("val")
     if not isinstance(val, torch.Tensor):
         return 0
-    try:
-        return int(val.numel())
-    except Exception:  # an unbacked size: price the node as written once
-        return 0
+    numel = val.numel()
+    # a symbolic size at its hint (no guard); an unbacked one at Inductor's assumed size
+    return int(optimization_hint(numel, fallback=8192)) if isinstance(numel, torch.SymInt) else numel
 
 
 def kernel_evaluations(graph: fx.Graph) -> dict[fx.Node, int]:
