@@ -45,22 +45,31 @@ def rotary():
     return _graph(_rotary, torch.randn(BATCH, HEADS, SEQ, HEAD_DIM), torch.randn(HEAD_DIM, HEAD_DIM))
 
 
-def test_a_table_inlined_into_its_readers_is_computed_once_per_readers_element(rotary):
+def test_a_table_inlined_into_a_kernel_is_computed_once_per_element_of_that_kernel(rotary):
+    """Inductor's code for _rotary (torch 2.13, CPU): one loop over the pairs of elements
+    rotated, computing the power, cos and sin once per pair and writing both halves."""
     evaluations = kernel_evaluations(rotary.graph)
-    half = BATCH * HEADS * SEQ * HEAD_DIM // 2  # each product's elements
+    pairs = BATCH * HEADS * SEQ * HEAD_DIM // 2
     (cos,), (sin,) = _nodes(rotary, aten.cos.default), _nodes(rotary, aten.sin.default)
-    # written as 16 x 4 values, read by two products of `half` elements each
-    assert cos.meta["val"].numel() == SEQ * HEAD_DIM // 2
-    assert evaluations[cos] == evaluations[sin] == 2 * half
-    # the power under them is recomputed for every evaluation of either
     (power,) = _nodes(rotary, aten.pow.Scalar)
-    assert evaluations[power] == 4 * half
-    # what the stack (and so the matmul) reads is written out, each element computed once
+    assert cos.meta["val"].numel() == SEQ * HEAD_DIM // 2  # written as 16 x 4 values
+    assert evaluations[cos] == evaluations[sin] == evaluations[power] == pairs
+    # the two halves the stack (and so the matmul) reads are written, once per element
     (difference,) = _nodes(rotary, aten.sub.Tensor)
-    assert evaluations[difference] == half
+    assert evaluations[difference] == pairs
 
 
-def test_a_value_read_by_a_matmul_or_by_many_readers_of_a_long_definition_is_written_once():
+def test_a_table_read_by_kernels_of_two_sizes_is_computed_in_each():
+    def rotate_query_and_key(q, k):
+        cos = torch.outer(torch.arange(SEQ).float(), torch.arange(HEAD_DIM).float()).cos()
+        return (q * cos) @ q.transpose(-1, -2), (k * cos) @ k.transpose(-1, -2)
+
+    gm = _graph(rotate_query_and_key, torch.randn(2, 4, SEQ, HEAD_DIM), torch.randn(2, 2, SEQ, HEAD_DIM))
+    (cos,) = _nodes(gm, aten.cos.default)
+    assert kernel_evaluations(gm.graph)[cos] == (2 * 4 + 2 * 2) * SEQ * HEAD_DIM
+
+
+def test_a_value_read_by_a_matmul_or_reused_past_inductors_thresholds_is_written_once():
     def silu_then_matmul(x, w):
         return torch.nn.functional.silu(x) @ w
 
@@ -69,37 +78,53 @@ def test_a_value_read_by_a_matmul_or_by_many_readers_of_a_long_definition_is_wri
     assert [evaluations[n] for n in _nodes(gm, aten.exp.default)] == [32 * 16]
 
     def long_then_reused(x, y):
-        for _ in range(40):  # past Inductor's 30 ops: cheaper to write out than recompute
+        for _ in range(60):  # past Inductor's 50 ops on a CPU: cheaper to write out than recompute
             x = x * 1.01 + 0.5
         return x + y, x * y
 
     gm = _graph(long_then_reused, torch.randn(64), torch.randn(8, 64))
-    evaluations = kernel_evaluations(gm.graph)
     last = max((n for n in gm.graph.nodes if n.target == aten.add.Tensor and len(n.users) == 2),
                key=lambda n: list(gm.graph.nodes).index(n))
-    assert evaluations[last] == 64
+    assert kernel_evaluations(gm.graph)[last] == 64
 
-    def short_then_reused(x, y):
+    def short_then_reused(x, y, z):
         x = x * 1.01 + 0.5
-        return x + y, x * y
+        return (x + y).sum(), (x * z - 1).sum(0)
 
-    gm = _graph(short_then_reused, torch.randn(64), torch.randn(8, 64))
-    evaluations = kernel_evaluations(gm.graph)
+    gm = _graph(short_then_reused, torch.randn(64), torch.randn(8, 64), torch.randn(4, 64))
     shared = next(n for n in gm.graph.nodes if n.target == aten.add.Tensor and len(n.users) == 2)
-    assert evaluations[shared] == 2 * 8 * 64  # inlined into both broadcasting readers
+    # inlined into both reductions, kernels of 8 x 64 and 4 x 64 elements
+    assert kernel_evaluations(gm.graph)[shared] == 8 * 64 + 4 * 64
+
+    def heavy_then_reused(x, y):
+        x = torch.exp(x)  # exp read twice is written out on a CPU, however short
+        return (x + y).sum(), (x * y).sum(0)
+
+    gm = _graph(heavy_then_reused, torch.randn(64), torch.randn(8, 64))
+    (exp,) = _nodes(gm, aten.exp.default)
+    assert kernel_evaluations(gm.graph)[exp] == 64
+
+    def table_viewed_then_reused(a, x, y):
+        table = torch.sin(a * 2.0 + 1.0)
+        wide = table.expand(100, 64)  # the view's readers make the table's, written at its size
+        big = wide * x + (wide + y) * 2.0 + 7.0
+        return [big * i for i in range(60)]
+
+    gm = _graph(table_viewed_then_reused, torch.randn(64), torch.randn(100, 64), torch.randn(100, 64))
+    (sin,) = _nodes(gm, aten.sin.default)
+    assert kernel_evaluations(gm.graph)[sin] == 100 * 64
 
 
 def test_families_follow_what_inductor_computes():
-    gm = _graph(lambda x: (x.pow(2), x.pow(0.5), 2.0 ** x, torch.sigmoid(x), x + 1, x @ x.t(),
-                           torch.tanh(x)), torch.randn(4, 4))
+    gm = _graph(lambda x: (x.pow(2), x.pow(0.5), x.pow(2.5), x.pow(17), 3.0 ** x, 2.0 ** x,
+                           torch.sigmoid(x), x + 1, x @ x.t(), torch.tanh(x)), torch.randn(4, 4))
     kinds = {n.target: family(n) for n in gm.graph.nodes if n.op == "call_function"}
     assert kinds[aten.mm.default] is None
-    assert kinds[aten.pow.Scalar] == "pow"
     assert kinds[aten.add.Tensor] == ARITH
     assert kinds[aten.tanh.default] == "tanh"
-    # x ** 2 is a multiplication in Inductor's code; x ** 0.5 is a power
-    squares = [family(n) for n in _nodes(gm, aten.pow.Tensor_Scalar)]
-    assert sorted(squares) == [ARITH, "pow"]
+    # x ** n (integer |n| < 32) is multiplications, x ** 0.5 a square root; 2 ** x an exp2
+    assert sorted(family(n) for n in _nodes(gm, aten.pow.Tensor_Scalar)) == [ARITH, ARITH, "pow", "sqrt"]
+    assert sorted(family(n) for n in _nodes(gm, aten.pow.Scalar)) == ["exp", "pow"]
     # sigmoid decomposes to exp, whose family it is
     assert "exp" in {family(n) for n in gm.graph.nodes if n.op == "call_function"}
 
@@ -129,7 +154,8 @@ def test_cluster_spec_elementwise_rows_are_checked_scaled_and_round_trip(tmp_pat
     assert ClusterSpec.from_json(tmp_path / "spec.json") == spec
     shared = dict(spec.shared_by(3).elementwise_s)  # 3 ranks on 2 slots: 1.5x as long
     assert shared["pow"] == pytest.approx(1.5 * 3e-9)
-    for bad in ((("cosine", 1e-9),), (("pow", -1.0),), (("pow",),)):
+    for bad in ((("cosine", 1e-9),), (("pow", -1.0),), (("pow",),), (("pow", True),),
+                (("pow", 1e-9), ("pow", 2e-9))):
         with pytest.raises(ValueError, match="elementwise_s"):
             dataclasses.replace(SPEC, elementwise_s=bad)
     assert set(FAMILIES) | {ARITH} >= {name for name, _ in RATES}

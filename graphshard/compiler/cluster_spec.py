@@ -77,12 +77,15 @@ class ClusterSpec:
     def __post_init__(self) -> None:
         known = (*FAMILIES, ARITH)
         try:
-            rows = tuple(sorted((str(name), float(s)) for name, s in self.elementwise_s))
+            rows = tuple(sorted((name, float(seconds)) for name, seconds in self.elementwise_s
+                                if not isinstance(seconds, bool)))
         except (TypeError, ValueError):
-            rows = (("", -1.0),)
-        if any(name not in known or not (math.isfinite(s) and s > 0) for name, s in rows):
-            raise ValueError(f"ClusterSpec.elementwise_s must be rows of (family, seconds > 0) "
-                             f"with a family of {known}, got {self.elementwise_s!r}")
+            rows = ()
+        names = [name for name, _ in rows]
+        if (len(rows) != len(self.elementwise_s) or len(set(names)) != len(names)
+                or any(name not in known or not (math.isfinite(s) and s > 0) for name, s in rows)):
+            raise ValueError(f"ClusterSpec.elementwise_s must be rows of (family, seconds > 0), "
+                             f"one per family, of {known}; got {self.elementwise_s!r}")
         object.__setattr__(self, "elementwise_s", rows)
         rows = tuple(tuple(float(v) for v in row) for row in self.attention_flops)
         if any(len(row) != 3 or min(row) <= 0 or not all(map(math.isfinite, row)) for row in rows):

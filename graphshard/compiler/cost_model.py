@@ -21,7 +21,8 @@ from torch.utils.flop_counter import flop_registry, sdpa_backward_flop_count, sd
 
 from graphshard._torch_compat import is_op_overload, process_group_size
 from graphshard.compiler.cluster_spec import FLOAT8_DTYPES, ClusterSpec  # noqa: F401 (re-exported)
-from graphshard.compiler.elementwise_cost import elementwise_seconds, kernel_evaluations
+from graphshard.compiler.elementwise_cost import (UNBACKED_SIZE_HINT, elementwise_seconds,
+                                                  kernel_evaluations)
 from graphshard.passes import meta_keys
 from graphshard.passes.graph_utils import (COLLECTIVES, FREE_STORAGE, collective_group, collective_kind,
                                           exchange_share, full_buffer, is_collective, is_view,
@@ -31,8 +32,6 @@ aten = torch.ops.aten
 Sym = Union[int, float, sympy.Expr]  # a number, or a formula in e.g. sympy.Symbol("N")
 
 KINDS = ("all_gather", "reduce_scatter", "all_reduce")
-# An unbacked SymInt has no hint; this is the size Inductor assumes for one too.
-_UNBACKED_FALLBACK = 8192
 # Ops that only allocate: they read nothing and need not write their output.
 _ALLOC_ONLY = frozenset({aten.empty.memory_format, aten.empty_strided.default,
                          aten.new_empty.default, aten.new_empty_strided.default})
@@ -127,7 +126,7 @@ class CollectiveCost:
 
 def _scalar(x: Any, symbolic: bool) -> Any:
     if isinstance(x, torch.SymInt):
-        return x.node.expr if symbolic else optimization_hint(x, fallback=_UNBACKED_FALLBACK)
+        return x.node.expr if symbolic else optimization_hint(x, fallback=UNBACKED_SIZE_HINT)
     return sympy.sympify(x) if symbolic else x
 
 
@@ -225,7 +224,7 @@ def node_cost(node: fx.Node, spec: ClusterSpec, *, symbolic: bool = False,
 
 def compute_seconds(spec: ClusterSpec, *graphs: fx.GraphModule) -> Callable[[fx.Node], float]:
     """node -> its `node_cost` seconds, elementwise nodes priced by how often `graphs`' fused
-    kernels compute them: how the scheduler, `"auto"` and the simulator all price a node."""
+    kernels compute them: the scheduler's and `"auto"`'s price of a node, the simulator's too."""
     evaluations: dict[fx.Node, int] = {}
     if spec.elementwise_s:
         for gm in graphs:

@@ -272,8 +272,12 @@ def median_spec(specs: Sequence[ClusterSpec]) -> ClusterSpec:
                 (rows[0][0], statistics.median(r[1] for r in rows),
                  statistics.median(r[2] for r in rows)) for rows in zip(*measured))
         elif field.name == "elementwise_s":
-            values[field.name] = tuple((rows[0][0], statistics.median(r[1] for r in rows))
-                                       for rows in zip(*measured))
+            rounds = [dict(rows) for rows in measured]
+            if any(set(r) != set(rounds[0]) for r in rounds):
+                raise ValueError("calibration rounds timed different elementwise families: "
+                                 f"{[sorted(r) for r in rounds]}")
+            values[field.name] = tuple((name, statistics.median(r[name] for r in rounds))
+                                       for name in sorted(rounds[0]))
         elif all(isinstance(v, float) for v in measured):
             values[field.name] = statistics.median(measured)
         else:
