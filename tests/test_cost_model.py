@@ -443,6 +443,8 @@ def test_calibration_rounds_keep_each_measured_parameters_median():
     rates = dict(spec.elementwise_s)
     assert list(rates) == ["arith", "pow"]
     assert (rates["arith"], rates["pow"]) == pytest.approx((5e-11, 5e-9))
+    with pytest.raises(ValueError, match="different elementwise families"):
+        calibration.median_spec([rounds[0], dataclasses.replace(rounds[1], elementwise_s=(("pow", 1e-9),))])
     assert spec.bandwidth_Bps == ClusterSpec.default().bandwidth_Bps  # alike in every round
     assert (spec.comm_overlaps_compute, spec.compute_slots_per_node) == (False, 2)
     assert calibration.median_spec(rounds[:1]) == rounds[0]
