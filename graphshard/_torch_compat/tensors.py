@@ -35,7 +35,7 @@ def count_cpu_frees_on_every_thread() -> None:
 
 def cpu_allocations(prof) -> list[tuple[int, int, int]]:
     """(time ns, bytes (negative: a free), the allocator's live total after it) of every CPU
-    allocation event a stopped torch.profiler session `prof` holds, in time order. Public
+    allocation event in `prof` (a torch.profiler.profile that has stopped), in time order. Public
     replacement: none (the event tree is kineto_results' experimental API)."""
     from torch._C._profiler import _EventType
 

@@ -222,13 +222,20 @@ def node_cost(node: fx.Node, spec: ClusterSpec, *, symbolic: bool = False,
     return NodeCost(int(flops), int(nbytes), seconds + spec.kernel_overhead_s)
 
 
-def compute_seconds(spec: ClusterSpec, *graphs: fx.GraphModule) -> Callable[[fx.Node], float]:
-    """node -> its `node_cost` seconds, elementwise nodes priced by how often `graphs`' fused
-    kernels compute them: the scheduler's and `"auto"`'s price of a node, the simulator's too."""
+def priced_evaluations(spec: ClusterSpec, *graphs: fx.GraphModule | fx.Graph) -> dict[fx.Node, int]:
+    """How often `graphs`' fused kernels compute each elementwise node, where `spec` prices
+    elementwise ops by it (`node_cost`'s `evaluations`); empty where it does not."""
     evaluations: dict[fx.Node, int] = {}
     if spec.elementwise_s:
         for gm in graphs:
-            evaluations.update(kernel_evaluations(gm.graph))
+            evaluations.update(kernel_evaluations(gm.graph if isinstance(gm, fx.GraphModule) else gm))
+    return evaluations
+
+
+def compute_seconds(spec: ClusterSpec, *graphs: fx.GraphModule) -> Callable[[fx.Node], float]:
+    """node -> its `node_cost` seconds, elementwise nodes priced by how often `graphs`' fused
+    kernels compute them: the scheduler's and `"auto"`'s price of a node, the simulator's too."""
+    evaluations = priced_evaluations(spec, *graphs)
     return lambda node: node_cost(node, spec, evaluations=evaluations.get(node)).seconds
 
 

@@ -11,8 +11,7 @@ from typing import Mapping
 import torch.fx as fx
 
 from graphshard.compiler.cost_model import (ClusterSpec, CollectiveCost, GroupSizes, collective_node_cost,
-                                   is_plain_number, node_cost)
-from graphshard.compiler.elementwise_cost import kernel_evaluations
+                                   is_plain_number, node_cost, priced_evaluations)
 from graphshard.passes import meta_keys
 from graphshard.passes.graph_utils import collective_group, is_collective, is_wait
 from graphshard.passes.liveness import MemoryEstimate, graph_memory
@@ -132,7 +131,7 @@ def graph_estimate(gm: fx.GraphModule | fx.Graph, spec: ClusterSpec,
     events: list[Event] = []
     issued: dict[fx.Node, tuple[CollectiveCost, float, float, float]] = {}
     graph = gm.graph if isinstance(gm, fx.GraphModule) else gm
-    evaluations = kernel_evaluations(graph) if spec.elementwise_s else {}
+    evaluations = priced_evaluations(spec, graph)
     for node in graph.nodes:
         if node.op != "call_function":
             continue
