@@ -4,6 +4,7 @@ liveness-based peak memory, strategy formulas, and calibration on 2 gloo process
 from __future__ import annotations
 
 import dataclasses
+import statistics
 import json
 import operator
 
@@ -491,6 +492,14 @@ def test_a_collective_after_compute_waits_for_the_slowest_rank_once(fake_pg):
 def test_fit_skew_recovers_a_square_root_law():
     samples = [(c, 4e-4 * (c / 1e-3) ** 0.5) for c in calibration.SKEW_CHUNKS_S]
     assert calibration.fit_skew(samples) == pytest.approx(4e-4)
+
+
+def test_skew_samples_keep_the_expected_wait_without_the_bursts():
+    """A step adds up its waits: the mean, not the median, of a long-tailed wait; a tenth of
+    the samples at either end is load from elsewhere."""
+    waits = [1.0] * 14 + [4.0] * 5 + [100.0]
+    assert statistics.median(waits) == 1.0
+    assert calibration._trimmed_mean(waits) == pytest.approx((12 * 1.0 + 4 * 4.0) / 16)
 
 
 def test_all_reduce_has_its_own_alpha_beta_within_a_node():

@@ -27,7 +27,7 @@ DEFAULT_SIZES = (1 << 10, 1 << 14, 1 << 18, 1 << 20, 1 << 22, 1 << 24)
 BURST = 4  # collectives per timing
 # Compute between collectives when measuring the ranks' skew: a training step's segments
 # between collectives are 0.3-10 ms at the sizes this machine trains.
-SKEW_CHUNKS_S = (0.5e-3, 2e-3, 8e-3)
+SKEW_CHUNKS_S = (0.5e-3, 1e-3, 2e-3, 4e-3, 8e-3)
 
 
 def _median_time(fn: Any, repeats: int, warmup: int = 2) -> float:
@@ -70,7 +70,10 @@ def _time_collectives(rank: int, world_size: int, sizes: Sequence[int],
 def _time_skew(rank: int, world_size: int, repeats: int) -> list[tuple[float, float]]:
     """[(compute seconds, extra seconds)]: what a small collective costs beyond its own time
     when it follows that much compute on every rank (the ranks drift apart while computing
-    and meet at the collective), on rank 0's clock."""
+    and meet at the collective), on rank 0's clock. The extra is the expected wait, the mean
+    (a step adds up its collectives' waits, and a wait's distribution has a long tail), less
+    the tenth of the samples at either end (a burst of load from elsewhere); the compute
+    lengths take turns within each repetition, so the machine's drift falls on each alike."""
     a, b = torch.randn(128, 256), torch.randn(256, 256)
     one = _median_time(lambda: a @ b, 20)
     x, y = torch.ones(256 * world_size), torch.empty(256 * world_size)
@@ -80,29 +83,32 @@ def _time_skew(rank: int, world_size: int, repeats: int) -> list[tuple[float, fl
 
     dist.barrier()
     alone = _median_time(exchange, 4 * repeats)
-    results = []
-    for chunk in SKEW_CHUNKS_S:
-        matmuls = max(1, round(chunk / one))
-
-        def compute():
-            for _ in range(matmuls):
-                a @ b
-
-        extras = []
-        for _ in range(3 * repeats):  # the ranks' drift is noisy: more samples than elsewhere
+    matmuls = [max(1, round(chunk / one)) for chunk in SKEW_CHUNKS_S]
+    extras: list[list[float]] = [[] for _ in matmuls]
+    for _ in range(3 * repeats):  # the ranks' drift is noisy: more samples than elsewhere
+        for count, chunk_extras in zip(matmuls, extras):
             dist.barrier()
             start = time.perf_counter()
             for _ in range(8):
-                compute()
+                for _ in range(count):
+                    a @ b
             computed = time.perf_counter() - start
             dist.barrier()
             start = time.perf_counter()
             for _ in range(8):
-                compute()
+                for _ in range(count):
+                    a @ b
                 exchange()
-            extras.append((time.perf_counter() - start - computed) / 8 - alone)
-        results.append((matmuls * one, max(statistics.median(extras), 0.0)))
-    return results
+            chunk_extras.append((time.perf_counter() - start - computed) / 8 - alone)
+    return [(count * one, max(_trimmed_mean(chunk_extras), 0.0))
+            for count, chunk_extras in zip(matmuls, extras)]
+
+
+def _trimmed_mean(values: Sequence[float], cut: float = 0.1) -> float:
+    """The mean of `values` without the `cut` fraction at either end."""
+    ordered = sorted(values)
+    drop = int(len(ordered) * cut)
+    return statistics.mean(ordered[drop:len(ordered) - drop])
 
 
 def fit_skew(samples: Sequence[tuple[float, float]]) -> float:
