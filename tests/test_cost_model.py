@@ -4,9 +4,9 @@ liveness-based peak memory, strategy formulas, and calibration on 2 gloo process
 from __future__ import annotations
 
 import dataclasses
-import statistics
 import json
 import operator
+import statistics
 
 import pytest
 import sympy
