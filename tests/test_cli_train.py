@@ -6,6 +6,7 @@ from __future__ import annotations
 import re
 import subprocess
 import sys
+import warnings
 
 import pytest
 import torch
@@ -110,12 +111,20 @@ def test_export_prints_no_torch_distributed_warning(tmp_path):
 
 @pytest.mark.slow  # the demo end to end
 def test_train_demo_under_torchrun():
-    proc = subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
-         "--master-addr", "127.0.0.1", "--master-port", str(_free_port()),
-         "-m", "graphshard", "train", "--steps", "2", "--no-compile", "--batch", "4", "--seq", "8",
-         "--val-batches", "1", "--plot", ""],
-        capture_output=True, text=True, timeout=300)
+    def launch():
+        return subprocess.run(
+            [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
+             "--master-addr", "127.0.0.1", "--master-port", str(_free_port()),
+             "-m", "graphshard", "train", "--steps", "2", "--no-compile", "--batch", "4",
+             "--seq", "8", "--val-batches", "1", "--plot", ""],
+            capture_output=True, text=True, timeout=300)
+
+    proc = launch()
+    if proc.returncode != 0 and "SIGABRT" in proc.stderr:
+        # as the suite's own launcher does (tests/conftest.py): a gloo rank that aborted in
+        # native code is relaunched once, with the report; an abort that recurs fails the test
+        warnings.warn(f"a rank aborted; relaunching once:\n{proc.stderr[-2000:]}")
+        proc = launch()
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert len(re.findall(r"step +\d+/2 +train loss", proc.stdout)) == 2  # rank 0 reports once
     assert "params MiB" in proc.stdout
