@@ -83,6 +83,10 @@ def _time_skew(rank: int, world_size: int, repeats: int) -> list[tuple[float, fl
 
     dist.barrier()
     alone = _median_time(exchange, 4 * repeats)
+    def compute(matmuls: int):
+        for _ in range(matmuls):
+            a @ b
+
     matmuls = [max(1, round(chunk / one)) for chunk in SKEW_CHUNKS_S]
     extras: list[list[float]] = [[] for _ in matmuls]
     for _ in range(3 * repeats):  # the ranks' drift is noisy: more samples than elsewhere
@@ -90,14 +94,12 @@ def _time_skew(rank: int, world_size: int, repeats: int) -> list[tuple[float, fl
             dist.barrier()
             start = time.perf_counter()
             for _ in range(8):
-                for _ in range(count):
-                    a @ b
+                compute(count)
             computed = time.perf_counter() - start
             dist.barrier()
             start = time.perf_counter()
             for _ in range(8):
-                for _ in range(count):
-                    a @ b
+                compute(count)
                 exchange()
             chunk_extras.append((time.perf_counter() - start - computed) / 8 - alone)
     return [(count * one, max(_trimmed_mean(chunk_extras), 0.0))
