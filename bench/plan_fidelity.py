@@ -12,7 +12,9 @@ measurement (the configuration as a graphshard bench method, timed interleaved w
 of its model and world size, in rounds that run every model and world size in turn; the median
 step; peak memory counted by the allocator on every thread).
 Reports per configuration the predicted and measured step time and peak memory and their
-errors, then Spearman's rank correlation of the step times and the median absolute error.
+errors, then Spearman's rank correlation of the step times and the median absolute error, and,
+with a calibration file, the machine's speed against the calibration's before the first round
+and after each (a prediction holds for the machine its calibration saw).
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ import os
 import statistics
 import tempfile
 from dataclasses import dataclass, field
+from typing import Callable
 
 from graphshard.tools.plan import Knobs, Layout
 
@@ -97,14 +100,33 @@ def spearman(xs: list[float], ys: list[float]) -> float:
     return cov / (sum((a - mx) ** 2 for a in rx) * sum((b - my) ** 2 for b in ry)) ** 0.5
 
 
+def machine_speed(cluster) -> float:
+    """This machine's fp32 matmul rate now over its calibration's (`cluster.flops_per_s`), timed
+    by the calibration's own probe at a rank's share of the cores: 1.0 is the machine the
+    planner priced; 0.85 one computing 15% slower (load from elsewhere, another host's turn)."""
+    import torch
+
+    from graphshard.tools.calibrate import matmul_rate
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(max(1, (os.cpu_count() or 1) // (cluster.compute_slots_per_node or 1)))
+    try:
+        return matmul_rate(torch.float32, repeats=10) / cluster.flops_per_s
+    finally:
+        torch.set_num_threads(threads)
+
+
 def measure(cases: list[Case], steps: int, repeats: int, warmup: int,
-            cluster_file: str | None = None, rounds: int = 3) -> dict[Case, dict]:
+            cluster_file: str | None = None, rounds: int = 3,
+            speed: Callable[[], float] | None = None,
+            speeds: list[float] | None = None) -> dict[Case, dict]:
     """Each configuration's median step and peak memory over `rounds` rounds. A round runs
     every group of configurations (one model, world size and TP degree: one bench launch, its
     methods interleaved over `repeats`) once, each round starting at the next group: the
     machine's drift over the run falls on every group alike, not on whichever group ran while
     the machine was slow. The rounds share one Inductor cache: later rounds load what the first
-    compiled."""
+    compiled. `speed` (e.g. `machine_speed`), if given, is read before the first round and after
+    each, between launches, into `speeds`."""
     from graphshard.bench.harness import BenchConfig, run
     from graphshard.bench.report import summarize
 
@@ -113,7 +135,10 @@ def measure(cases: list[Case], steps: int, repeats: int, warmup: int,
         groups.setdefault((case.model, case.world, case.batch, case.tp), []).append(case)
     order = list(groups)
     samples: dict[Case, list[tuple[float, float]]] = {case: [] for case in cases}
+    speeds = [] if speeds is None else speeds
     with tempfile.TemporaryDirectory(prefix="graphshard-fidelity-") as cache_dir:
+        if speed is not None:
+            speeds.append(speed())
         for round_index in range(rounds):
             shift = round_index % len(order)
             for model, world, batch, tp in order[shift:] + order[:shift]:
@@ -130,6 +155,8 @@ def measure(cases: list[Case], steps: int, repeats: int, warmup: int,
                                            f"profile {entry.get('profile_status')}")
                     samples[case].append((entry["step_ms"]["median"] / 1e3,
                                           entry["peak_mib"] * 2**20))
+            if speed is not None:
+                speeds.append(speed())
     return {case: {"step_s": statistics.median(step for step, _ in runs),
                    "peak_bytes": statistics.median(peak for _, peak in runs)}
             for case, runs in samples.items()}
@@ -184,7 +211,10 @@ def main(argv: list[str] | None = None) -> int:
     cluster = resolve_cluster(args.cluster)
     predicted = predict_all(CASES, cluster)
     cluster_file = args.cluster if os.path.isfile(args.cluster) else None
-    measured = (measure(CASES, args.steps, args.repeats, args.warmup, cluster_file, args.rounds)
+    # A calibrated machine is checked for drift: a preset's rates are another machine's.
+    speeds: list[float] = []
+    measured = (measure(CASES, args.steps, args.repeats, args.warmup, cluster_file, args.rounds,
+                        (lambda: machine_speed(cluster)) if cluster_file else None, speeds)
                 if args.measured is None
                 else measured_before(CASES, args.measured))
     rows = []
@@ -208,11 +238,15 @@ def main(argv: list[str] | None = None) -> int:
     print(f"step time: Spearman rank correlation {rho:.2f}, median |error| {100 * median_time:.0f}%; "
           f"peak memory: median |error| {100 * median_memory:.0f}%, "
           f"max {100 * max(abs(r['memory_error']) for r in rows):.0f}%")
+    if speeds:
+        print("machine speed against the calibration's (fp32 matmuls), before the first round and "
+              f"after each: {', '.join(f'{s:.2f}' for s in speeds)}")
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"cluster": args.cluster, "rows": rows, "spearman": rho,
                        "median_abs_time_error": median_time,
-                       "median_abs_memory_error": median_memory}, f, indent=2)
+                       "median_abs_memory_error": median_memory,
+                       "machine_speed": speeds or None}, f, indent=2)
     return 0
 
 

@@ -274,11 +274,37 @@ def test_the_fidelity_bench_compiles_with_the_cluster_the_planner_priced(tmp_pat
     assert "cluster=" not in CASES[0].method()  # a preset: the built-in model
 
 
+def test_the_fidelity_bench_reads_the_machines_speed_against_its_calibration(monkeypatch):
+    """The calibration's own fp32 matmul probe, at a rank's share of the cores, over the
+    calibration's rate; the process's thread count is left as it was."""
+    import dataclasses
+
+    import torch
+
+    from graphshard.bench import plan_fidelity
+    from graphshard.compiler.cost_model import ClusterSpec
+    from graphshard.tools import calibrate
+
+    seen = []
+
+    def rate(dtype, repeats):
+        seen.append((dtype, torch.get_num_threads()))
+        return 6e10
+
+    monkeypatch.setattr(calibrate, "matmul_rate", rate)
+    cluster = dataclasses.replace(ClusterSpec.default(), flops_per_s=8e10,
+                                  compute_slots_per_node=os.cpu_count() or 1)
+    threads = torch.get_num_threads()
+    assert plan_fidelity.machine_speed(cluster) == pytest.approx(0.75)
+    assert seen == [(torch.float32, 1)] and torch.get_num_threads() == threads
+
+
 def test_the_fidelity_bench_runs_every_group_once_a_round_and_keeps_each_configurations_median(
         monkeypatch):
     """Rounds run every (model, world size, TP) group once, each round starting one group later,
     all compiling into one cache directory (removed at the end); a configuration's step and peak
-    are the medians over its rounds."""
+    are the medians over its rounds; the machine's speed is read before the rounds and after
+    each, never during a launch."""
     from graphshard.bench import harness, plan_fidelity, report
     from graphshard.bench.plan_fidelity import Case
 
@@ -298,10 +324,13 @@ def test_the_fidelity_bench_runs_every_group_once_a_round_and_keeps_each_configu
     monkeypatch.setattr(report, "summarize", fake_summarize)
     cases = [Case("transformer", 2, 8), Case("transformer", 2, 8, keep="all"),
              Case("llama", 2, 8), Case("llama", 3, 6)]
-    measured = plan_fidelity.measure(cases, steps=2, repeats=1, warmup=1, rounds=3)
+    speeds = []
+    measured = plan_fidelity.measure(cases, steps=2, repeats=1, warmup=1, rounds=3,
+                                     speed=lambda: float(len(launches)), speeds=speeds)
 
     t2, l2, l3 = ("transformer", 2, 1), ("llama", 2, 1), ("llama", 3, 1)
     assert [group for group, _ in launches] == [t2, l2, l3, l2, l3, t2, l3, t2, l2]
+    assert speeds == [0.0, 3.0, 6.0, 9.0]  # the machine's speed before the rounds and after each
     cache_dirs = {cache_dir for _, cache_dir in launches}
     assert len(cache_dirs) == 1 and None not in cache_dirs
     assert not os.path.exists(cache_dirs.pop())
