@@ -106,14 +106,10 @@ def machine_speed(cluster) -> float:
     planner priced; 0.85 one computing 15% slower (load from elsewhere, another host's turn)."""
     import torch
 
-    from graphshard.tools.calibrate import matmul_rate
+    from graphshard.tools import calibrate
 
-    threads = torch.get_num_threads()
-    torch.set_num_threads(max(1, (os.cpu_count() or 1) // (cluster.compute_slots_per_node or 1)))
-    try:
-        return matmul_rate(torch.float32, repeats=10) / cluster.flops_per_s
-    finally:
-        torch.set_num_threads(threads)
+    with calibrate.threads_of_a_rank(cluster.compute_slots_per_node or 1):
+        return calibrate.matmul_rate(torch.float32, repeats=10) / cluster.flops_per_s
 
 
 def measure(cases: list[Case], steps: int, repeats: int, warmup: int,

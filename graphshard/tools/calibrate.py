@@ -9,13 +9,14 @@ training step's host time; the JSON it writes is what ClusterSpec.from_json load
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import math
 import os
 import statistics
 import sys
 import time
-from typing import Any, Callable, Iterable, Sequence
+from typing import Any, Callable, Iterable, Iterator, Sequence
 
 import torch
 import torch.distributed as dist
@@ -83,6 +84,7 @@ def _time_skew(rank: int, world_size: int, repeats: int) -> list[tuple[float, fl
 
     dist.barrier()
     alone = _median_time(exchange, 4 * repeats)
+
     def compute(matmuls: int):
         for _ in range(matmuls):
             a @ b
@@ -258,6 +260,18 @@ def measure_compute(repeats: int = 10) -> dict[str, Any]:
     }
 
 
+@contextlib.contextmanager
+def threads_of_a_rank(ranks_per_node: int) -> Iterator[None]:
+    """This process at one local rank's share of the cores (as the bench and `graphshard train`
+    give each rank), its thread count restored after."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(max(1, (os.cpu_count() or 1) // ranks_per_node))
+    try:
+        yield
+    finally:
+        torch.set_num_threads(threads)
+
+
 def calibrate(world_size: int = 2, sizes: Iterable[int] = (), repeats: int = 10,
               samples: list | None = None, rounds: int = 1) -> ClusterSpec:
     """Measure this machine `rounds` times, one whole round after another, and keep each
@@ -306,12 +320,8 @@ def _calibrate_once(world_size: int, sizes: Sequence[int], repeats: int,
     # share of the cores.
     cores = os.cpu_count() or 1
     rank_threads = max(1, cores // world_size)
-    threads = torch.get_num_threads()
-    torch.set_num_threads(rank_threads)
-    try:
+    with threads_of_a_rank(world_size):
         compute = measure_compute(repeats)
-    finally:
-        torch.set_num_threads(threads)
     # Ranks fill the cores with compute, so gloo's threads take turns with it: no overlap.
     return ClusterSpec(latency_s=alpha, bandwidth_Bps=bandwidth, device_memory_bytes=memory,
                        all_reduce_latency_s=reduce_alpha, all_reduce_bandwidth_Bps=reduce_bandwidth,
