@@ -11,6 +11,7 @@ spawned group per world size runs every configuration (Inductor compiles dominat
 from __future__ import annotations
 
 import functools
+import logging
 from dataclasses import dataclass
 
 import pytest
@@ -104,7 +105,26 @@ def _parallel_model(run: TPRun):
     return model, fn, dp_rank, dp_size
 
 
+class _Messages(logging.Handler):
+    def __init__(self):
+        super().__init__(logging.INFO)
+        self.messages: list[str] = []
+
+    def emit(self, record):
+        self.messages.append(record.getMessage())
+
+
 def _train(run: TPRun) -> dict:
+    log, said = logging.getLogger("graphshard"), _Messages()
+    log.addHandler(said)
+    log.setLevel(logging.INFO)
+    try:
+        return _train_logged(run) | {"log": said.messages}
+    finally:
+        log.removeHandler(said)
+
+
+def _train_logged(run: TPRun) -> dict:
     import graphshard
 
     model, fn, dp_rank, dp_size = _parallel_model(run)
@@ -247,3 +267,8 @@ def test_qwen2_no_shard_with_tp_matches_one_process(world4):
 def test_llama_1x2_fp32_matches_one_process(world2):
     result = _result(world2, "llama-1x2-fp32")
     assert _max_diff(result["params"], reference("llama", 1)["params"]) < FP32_TOL
+    # its graphs hold the rank's place in the TP mesh: each rank compiles them, and says so
+    from graphshard.compiler.host_compile import TENSOR_PARALLEL
+
+    assert f"graphshard: each rank compiles its own graphs: {TENSOR_PARALLEL}" in result["log"]
+    assert not any("compiles graph" in message for message in result["log"])

@@ -10,6 +10,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor.parallel import ColwiseParallel, parallelize_module
 
 import graphshard
+from graphshard.compiler.host_compile import TENSOR_PARALLEL
 from graphshard.tools.dump.analysis import dump
 from graphshard.tools.dump.loading import load_workload
 
@@ -43,6 +44,9 @@ def test_dump_shows_tp_collectives_beside_graphshards_on_their_own_group(llama_t
     whole = 4 * (2 * dim * dim + 2 * dim * kv_dim + 3 * dim * hidden)
     assert layer0[0].bytes == whole // 2 + 4 * 2 * dim  # + the two norms, not parallelised
     assert report.comm.tensor_parallel.count == len(tp)
+    # the graph takes the TP plan's DeviceMesh, whose rank's place AOTAutograd's cache key and
+    # the compiled graphs hold: each rank compiles its own, and the dump says so
+    assert report.compile == f"per rank: {TENSOR_PARALLEL}"
 
 
 def _mlp() -> nn.Module:

@@ -26,7 +26,8 @@ from graphshard.compiler.compile_cache import reuses_cache, salt_cache_key
 from graphshard.compiler.cost_model import ClusterSpec
 from graphshard.compiler.dynamo_graph import SplitContext, has_markers, split_context
 from graphshard.compiler.host_compile import (compile_once_per_host, host_compile_key,
-                                              log_per_rank_compile, per_rank_compile_reason)
+                                              log_per_rank_compile, per_rank_compile_reason,
+                                              uses_tp_mesh)
 from graphshard.compiler.options import GraphshardOptions
 from graphshard.compiler import rank_agreement
 from graphshard.compiler.partition import agree_on_minimum, partition
@@ -55,6 +56,7 @@ class GraphshardCompiler:
         self.graph_memory: dict[str, MemoryEstimate] = {}
         # why AOTAutograd's cache would not store the Dynamo graph compiled last (None: it would)
         self.cache_bypass: str | None = None
+        self.takes_tp_mesh = False  # ... and whether it takes a TP plan's DeviceMesh
 
     @property
     def predicted_peak_bytes(self) -> int | None:
@@ -150,7 +152,9 @@ class GraphshardCompiler:
         # float8's autograd.Functions (torchao's, ours) are keyed by name, not refused
         with compat.keyed_package_functions_cacheable(gm):
             self.cache_bypass = compat.aot_cache_bypass_reason(gm)
-            reason = per_rank_compile_reason(self.options, cached=cached, bypass=self.cache_bypass)
+            self.takes_tp_mesh = uses_tp_mesh(example_inputs)
+            reason = per_rank_compile_reason(self.options, cached=cached, bypass=self.cache_bypass,
+                                             tensor_parallel=self.takes_tp_mesh)
             if reason is None:
                 key = host_compile_key(gm.code, compat.cache_key_salt(gm), example_inputs,
                                        lambda obj: compat.cache_key_of_object(gm, obj))

@@ -101,11 +101,19 @@ def compile_once_per_host(key: str, compile_graphs: Callable[[], Any], *,
     return compile_graphs()
 
 
-def per_rank_compile_reason(options, *, cached: bool, bypass: str | None = None) -> str | None:
+TENSOR_PARALLEL = ("tensor parallelism: the compiled graphs hold the rank's place in its TP "
+                   "mesh (docs/architecture.md, one compile per host)")
+
+
+def per_rank_compile_reason(options, *, cached: bool, bypass: str | None = None,
+                            tensor_parallel: bool = False) -> str | None:
     """Why each rank compiles its own graphs, or None where one compile per host applies.
     `cached`: AOTAutograd may serve this compile from its cache (compile_cache.reuses_cache);
     `bypass`: why its cache would not store this graph (compat.aot_cache_bypass_reason): a
-    rank that waited for the claimant would then compile after it, not instead."""
+    rank that waited for the claimant would then compile after it, not instead;
+    `tensor_parallel`: the graph takes a tensor-parallel plan's DeviceMesh (`uses_tp_mesh`)."""
+    if tensor_parallel:
+        return TENSOR_PARALLEL
     if not options.compile_once_per_host:
         return "compile_once_per_host=False"
     if options.compiler != "inductor":
@@ -117,15 +125,24 @@ def per_rank_compile_reason(options, *, cached: bool, bypass: str | None = None)
     return None
 
 
+def uses_tp_mesh(example_inputs: Sequence[Any]) -> bool:
+    """Whether a Dynamo graph takes a DeviceMesh (a tensor-parallel plan's), whose rank's place
+    AOTAutograd's cache key holds: no other rank's key matches it."""
+    from torch.distributed.device_mesh import DeviceMesh
+
+    return any(isinstance(x, DeviceMesh) for x in example_inputs)
+
+
 def log_per_rank_compile(reason: str) -> None:
     """Say why this rank compiles by itself (in a job of several ranks; once per compile)."""
     if agreement_store() is not None:
         log.info("graphshard: each rank compiles its own graphs: %s", reason)
 
 
-def compile_sharing(options, bypass: str | None = None) -> str:
+def compile_sharing(options, bypass: str | None = None, tensor_parallel: bool = False) -> str:
     """What `graphshard dump` says of a job's compiles: "once per host", or "per rank: <why>"
-    (`bypass`: the captured graph's, see per_rank_compile_reason)."""
+    (`bypass`, `tensor_parallel`: the captured graph's, see per_rank_compile_reason)."""
     reason = per_rank_compile_reason(
-        options, cached=reuses_cache(options, aot_cache=True, observed=False), bypass=bypass)
+        options, cached=reuses_cache(options, aot_cache=True, observed=False), bypass=bypass,
+        tensor_parallel=tensor_parallel)
     return "once per host" if reason is None else f"per rank: {reason}"
