@@ -116,12 +116,14 @@ class _Messages(logging.Handler):
 
 def _train(run: TPRun) -> dict:
     log, said = logging.getLogger("graphshard"), _Messages()
+    level = log.level
     log.addHandler(said)
     log.setLevel(logging.INFO)
     try:
         return _train_logged(run) | {"log": said.messages}
     finally:
         log.removeHandler(said)
+        log.setLevel(level)
 
 
 def _train_logged(run: TPRun) -> dict:

@@ -167,8 +167,7 @@ def keyed_package_functions_cacheable(gm: fx.GraphModule):
 
 def cache_key_of_object(gm, obj) -> str:
     """A digest of what AOTAutograd's cache key makes of `obj`, a non-tensor input of the Dynamo
-    graph `gm` (a DeviceMesh from a tensor-parallel plan: its ranks and coordinate), or a
-    rank-specific string where it cannot be pickled (the key would not match across ranks).
+    graph `gm`, or a rank-specific string where it cannot be pickled (the key would not match across ranks).
     Public replacement: none (torch._functorch._aot_autograd.autograd_cache)."""
     import hashlib
 

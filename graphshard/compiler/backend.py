@@ -27,7 +27,7 @@ from graphshard.compiler.cost_model import ClusterSpec
 from graphshard.compiler.dynamo_graph import SplitContext, has_markers, split_context
 from graphshard.compiler.host_compile import (compile_once_per_host, host_compile_key,
                                               log_per_rank_compile, per_rank_compile_reason,
-                                              uses_tp_mesh)
+                                              takes_device_mesh)
 from graphshard.compiler.options import GraphshardOptions
 from graphshard.compiler import rank_agreement
 from graphshard.compiler.partition import agree_on_minimum, partition
@@ -56,7 +56,7 @@ class GraphshardCompiler:
         self.graph_memory: dict[str, MemoryEstimate] = {}
         # why AOTAutograd's cache would not store the Dynamo graph compiled last (None: it would)
         self.cache_bypass: str | None = None
-        self.takes_tp_mesh = False  # ... and whether it takes a TP plan's DeviceMesh
+        self.takes_device_mesh = False  # ... and whether it takes a DeviceMesh (a TP plan's)
 
     @property
     def predicted_peak_bytes(self) -> int | None:
@@ -152,9 +152,9 @@ class GraphshardCompiler:
         # float8's autograd.Functions (torchao's, ours) are keyed by name, not refused
         with compat.keyed_package_functions_cacheable(gm):
             self.cache_bypass = compat.aot_cache_bypass_reason(gm)
-            self.takes_tp_mesh = uses_tp_mesh(example_inputs)
+            self.takes_device_mesh = takes_device_mesh(example_inputs)
             reason = per_rank_compile_reason(self.options, cached=cached, bypass=self.cache_bypass,
-                                             tensor_parallel=self.takes_tp_mesh)
+                                             tensor_parallel=self.takes_device_mesh)
             if reason is None:
                 key = host_compile_key(gm.code, compat.cache_key_salt(gm), example_inputs,
                                        lambda obj: compat.cache_key_of_object(gm, obj))

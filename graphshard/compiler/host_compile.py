@@ -44,7 +44,7 @@ def host_compile_key(code: str, salt: str, example_inputs: Sequence[Any],
                      object_key: Callable[[Any], str] = lambda x: type(x).__name__) -> str:
     """What must be equal for two ranks to compile one graph (see the module docstring).
     `object_key`: what the cache key makes of an input that is neither a tensor nor a number
-    (a tensor-parallel plan's DeviceMesh, whose ranks differ between TP groups)."""
+    (a graph that takes a DeviceMesh never gets here: `takes_device_mesh`)."""
     def input_key(x):
         if isinstance(x, torch.Tensor):
             return tuple(x.shape), tuple(x.stride()), str(x.dtype), x.requires_grad
@@ -101,8 +101,8 @@ def compile_once_per_host(key: str, compile_graphs: Callable[[], Any], *,
     return compile_graphs()
 
 
-TENSOR_PARALLEL = ("tensor parallelism: the compiled graphs hold the rank's place in its TP "
-                   "mesh (docs/architecture.md, one compile per host)")
+TENSOR_PARALLEL = ("tensor parallelism: the graphs take a DeviceMesh and hold the rank's place "
+                   "in it (docs/architecture.md, one compile per host)")
 
 
 def per_rank_compile_reason(options, *, cached: bool, bypass: str | None = None,
@@ -111,7 +111,7 @@ def per_rank_compile_reason(options, *, cached: bool, bypass: str | None = None,
     `cached`: AOTAutograd may serve this compile from its cache (compile_cache.reuses_cache);
     `bypass`: why its cache would not store this graph (compat.aot_cache_bypass_reason): a
     rank that waited for the claimant would then compile after it, not instead;
-    `tensor_parallel`: the graph takes a tensor-parallel plan's DeviceMesh (`uses_tp_mesh`)."""
+    `tensor_parallel`: the graph takes a tensor-parallel plan's DeviceMesh (`takes_device_mesh`)."""
     if tensor_parallel:
         return TENSOR_PARALLEL
     if not options.compile_once_per_host:
@@ -125,9 +125,11 @@ def per_rank_compile_reason(options, *, cached: bool, bypass: str | None = None,
     return None
 
 
-def uses_tp_mesh(example_inputs: Sequence[Any]) -> bool:
-    """Whether a Dynamo graph takes a DeviceMesh (a tensor-parallel plan's), whose rank's place
-    AOTAutograd's cache key holds: no other rank's key matches it."""
+def takes_device_mesh(example_inputs: Sequence[Any]) -> bool:
+    """Whether a Dynamo graph takes a DeviceMesh, whose rank's place AOTAutograd's cache key
+    holds: no other rank's key matches it. graphshard's own graphs take none (they read plain
+    leaves and name groups by rank-invariant aliases); a tensor-parallel plan's DTensors bring
+    theirs."""
     from torch.distributed.device_mesh import DeviceMesh
 
     return any(isinstance(x, DeviceMesh) for x in example_inputs)

@@ -21,7 +21,7 @@ class Capture:
     # parameters whose gathered weights forward saves for backward (the reshard policy kept)
     kept_from_forward: frozenset[str] = frozenset()
     cache_bypass: str | None = None  # why AOTAutograd's cache would not store the graph
-    takes_tp_mesh: bool = False  # the graph takes a tensor-parallel plan's DeviceMesh
+    takes_device_mesh: bool = False  # the graph takes a DeviceMesh (a tensor-parallel plan's)
 
 
 def _readable(gm) -> str:
@@ -81,7 +81,8 @@ def capture(workload, options, stages: Sequence[str],
                 raise
         finally:
             torch.compiler.reset()
-    result.cache_bypass, result.takes_tp_mesh = compiler.cache_bypass, compiler.takes_tp_mesh
+    result.cache_bypass = compiler.cache_bypass
+    result.takes_device_mesh = compiler.takes_device_mesh
     if "forward" not in result.final:
         raise RuntimeError("the graphshard backend never saw a sharded graph "
                            "(no parameter read reached torch.compile)")
