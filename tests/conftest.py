@@ -1,11 +1,11 @@
 import os
 
-# A private Inductor cache per test session keeps runs independent of the machine's cache. Set
-# before torch is imported: Inductor reads it once (its precompiled C++ header goes there too).
+import pytest
+import torch.distributed as dist
+
+# A private Inductor cache per test session keeps runs independent of the machine's cache.
 os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", os.path.join(os.path.dirname(__file__), "..", ".cache", "inductor"))
 
-import pytest  # noqa: E402
-import torch.distributed as dist  # noqa: E402
 
 from graphshard.tools import launch  # noqa: E402  (after the cache directory is chosen)
 

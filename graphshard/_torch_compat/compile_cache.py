@@ -167,7 +167,8 @@ def keyed_package_functions_cacheable(gm: fx.GraphModule):
 
 def cache_key_of_object(gm, obj) -> str:
     """A digest of what AOTAutograd's cache key makes of `obj`, a non-tensor input of the Dynamo
-    graph `gm`, or a rank-specific string where it cannot be pickled (the key would not match across ranks).
+    graph `gm`, or a rank-specific string where it cannot be pickled (the key would not match
+    across ranks).
     Public replacement: none (torch._functorch._aot_autograd.autograd_cache)."""
     import hashlib
 

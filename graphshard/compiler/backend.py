@@ -154,7 +154,7 @@ class GraphshardCompiler:
             self.cache_bypass = compat.aot_cache_bypass_reason(gm)
             self.takes_device_mesh = takes_device_mesh(example_inputs)
             reason = per_rank_compile_reason(self.options, cached=cached, bypass=self.cache_bypass,
-                                             tensor_parallel=self.takes_device_mesh)
+                                             takes_device_mesh=self.takes_device_mesh)
             if reason is None:
                 key = host_compile_key(gm.code, compat.cache_key_salt(gm), example_inputs,
                                        lambda obj: compat.cache_key_of_object(gm, obj))

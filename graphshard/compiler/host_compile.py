@@ -106,13 +106,14 @@ TENSOR_PARALLEL = ("tensor parallelism: the graphs take a DeviceMesh and hold th
 
 
 def per_rank_compile_reason(options, *, cached: bool, bypass: str | None = None,
-                            tensor_parallel: bool = False) -> str | None:
+                            takes_device_mesh: bool = False) -> str | None:
     """Why each rank compiles its own graphs, or None where one compile per host applies.
     `cached`: AOTAutograd may serve this compile from its cache (compile_cache.reuses_cache);
     `bypass`: why its cache would not store this graph (compat.aot_cache_bypass_reason): a
     rank that waited for the claimant would then compile after it, not instead;
-    `tensor_parallel`: the graph takes a tensor-parallel plan's DeviceMesh (`takes_device_mesh`)."""
-    if tensor_parallel:
+    `takes_device_mesh`: the graph takes a DeviceMesh (a tensor-parallel plan's: see the
+    function of that name)."""
+    if takes_device_mesh:
         return TENSOR_PARALLEL
     if not options.compile_once_per_host:
         return "compile_once_per_host=False"
@@ -141,10 +142,10 @@ def log_per_rank_compile(reason: str) -> None:
         log.info("graphshard: each rank compiles its own graphs: %s", reason)
 
 
-def compile_sharing(options, bypass: str | None = None, tensor_parallel: bool = False) -> str:
+def compile_sharing(options, bypass: str | None = None, takes_device_mesh: bool = False) -> str:
     """What `graphshard dump` says of a job's compiles: "once per host", or "per rank: <why>"
-    (`bypass`, `tensor_parallel`: the captured graph's, see per_rank_compile_reason)."""
+    (`bypass`, `takes_device_mesh`: the captured graph's, see per_rank_compile_reason)."""
     reason = per_rank_compile_reason(
         options, cached=reuses_cache(options, aot_cache=True, observed=False), bypass=bypass,
-        tensor_parallel=tensor_parallel)
+        takes_device_mesh=takes_device_mesh)
     return "once per host" if reason is None else f"per rank: {reason}"

@@ -261,13 +261,14 @@ def measure_compute(repeats: int = 10) -> dict[str, Any]:
 
 
 @contextlib.contextmanager
-def threads_of_a_rank(ranks_per_node: int) -> Iterator[None]:
+def threads_of_a_rank(ranks_per_node: int) -> Iterator[int]:
     """This process at one local rank's share of the cores (as the bench and `graphshard train`
-    give each rank), its thread count restored after."""
+    give each rank), which it yields; its thread count restored after."""
     threads = torch.get_num_threads()
-    torch.set_num_threads(max(1, (os.cpu_count() or 1) // ranks_per_node))
+    rank_threads = max(1, (os.cpu_count() or 1) // ranks_per_node)
+    torch.set_num_threads(rank_threads)
     try:
-        yield
+        yield rank_threads
     finally:
         torch.set_num_threads(threads)
 
@@ -319,8 +320,7 @@ def _calibrate_once(world_size: int, sizes: Sequence[int], repeats: int,
     # Compute as one rank sees it: the bench and `graphshard train` give each local rank its
     # share of the cores.
     cores = os.cpu_count() or 1
-    rank_threads = max(1, cores // world_size)
-    with threads_of_a_rank(world_size):
+    with threads_of_a_rank(world_size) as rank_threads:
         compute = measure_compute(repeats)
     # Ranks fill the cores with compute, so gloo's threads take turns with it: no overlap.
     return ClusterSpec(latency_s=alpha, bandwidth_Bps=bandwidth, device_memory_bytes=memory,

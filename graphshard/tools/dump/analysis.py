@@ -385,7 +385,7 @@ def dump(workload: Workload, *, world_size: int, strategy: str = "full_shard", o
         timing=Timing(capture_s=captured - started, total_s=time.perf_counter() - started,
                       stages_s=cap.seconds),
         compile=compile_sharing(options, cap.cache_bypass,
-                                tensor_parallel=cap.takes_device_mesh),
+                                takes_device_mesh=cap.takes_device_mesh),
     )
     texts = {key: text for key, text in cap.texts.items() if key[1] in stages}
     # The trace's graph order is the step's: backward starts where forward ends.
