@@ -167,6 +167,25 @@ def test_a_parameter_added_after_shard_is_refused(gloo1):
         compiled(torch.randn(2, 4))
 
 
+def test_an_unsharded_model_is_refused_in_a_job_of_several_ranks_and_runs_alone(fake_pg):
+    """shard() forgotten: each rank would train its own copy, the copies drifting apart."""
+    model = nn.Sequential(nn.Linear(4, 4), nn.ReLU(), nn.Linear(4, 2))
+    x = torch.randn(2, 4)
+    with pytest.raises(Exception, match=r"2 trainable parameter.*graphshard.shard has not sharded"
+                                        r".*job of 8 ranks.*Call graphshard.shard\(model\)"):
+        torch.compile(model[2], backend="graphshard", options=EAGER_PASSES)(x[:, :4])
+    torch._dynamo.reset()
+    # what trains nothing across ranks compiles as Inductor would: no gradients, or frozen
+    with torch.no_grad():
+        torch.testing.assert_close(
+            torch.compile(model, backend="graphshard", options=EAGER_PASSES)(x), model(x))
+    torch._dynamo.reset()
+    model.requires_grad_(False)
+    torch.testing.assert_close(
+        torch.compile(model, backend="graphshard", options=EAGER_PASSES)(x), model(x))
+    torch._dynamo.reset()
+
+
 def test_rnn_modules_use_the_sharded_parameters(gloo1):
     torch.manual_seed(0)
     reference = nn.LSTM(4, 6, batch_first=True)

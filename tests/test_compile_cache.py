@@ -244,6 +244,32 @@ def test_a_graph_aotautograds_cache_cannot_store_is_compiled_by_every_rank(
         assert reason.startswith("AOTAutograd's cache cannot store this graph ("), reason
 
 
+@pytest.mark.parametrize("options, cached, bypass, takes_mesh, expected", [
+    ({}, True, None, False, None),
+    ({}, True, "a user's policy", True, "tensor parallelism"),
+    ({"compile_once_per_host": False, "compiler": "eager"}, False, "x", True, "tensor parallelism"),
+    ({"compile_once_per_host": False, "compiler": "eager"}, False, "x", False,
+     "compile_once_per_host=False"),
+    ({"compiler": "eager"}, False, "x", False, "compiler='eager'"),
+    ({}, False, "x", False, "the compile caches"),
+    ({}, True, "a user's policy", False, "AOTAutograd's cache cannot store this graph"),
+])
+def test_a_per_rank_compile_names_the_first_reason_that_applies(options, cached, bypass,
+                                                                takes_mesh, expected):
+    """A graph that takes a DeviceMesh compiles per rank whatever else holds (its cache key is
+    the rank's own); otherwise the option, the compiler, the caches, then the cache's bypass."""
+    from graphshard.compiler.host_compile import compile_sharing, per_rank_compile_reason
+    from graphshard.compiler.options import GraphshardOptions
+
+    reason = per_rank_compile_reason(GraphshardOptions.from_dict(options), cached=cached,
+                                     bypass=bypass, takes_device_mesh=takes_mesh)
+    if expected is None:
+        assert reason is None
+        assert compile_sharing(GraphshardOptions.from_dict(options)) == "once per host"
+    else:
+        assert reason is not None and reason.startswith(expected), reason
+
+
 class _Doubled(torch.autograd.Function):
     """A user's autograd.Function: the cache key cannot stand for its code."""
 

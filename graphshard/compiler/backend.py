@@ -21,7 +21,8 @@ from graphshard.compiler import ops  # noqa: F401  (registers torch.ops.graphsha
 from graphshard.compiler.collection_pause import full_collections_paused
 from graphshard.compiler.checks import (check_all_parameters_sharded,
                                         check_gathered_weights_not_edited,
-                                        check_parameters_read_as_attributes)
+                                        check_parameters_read_as_attributes,
+                                        check_unsharded_model_trains_alone)
 from graphshard.compiler.compile_cache import reuses_cache, salt_cache_key
 from graphshard.compiler.cost_model import ClusterSpec
 from graphshard.compiler.dynamo_graph import SplitContext, has_markers, split_context
@@ -118,6 +119,7 @@ class GraphshardCompiler:
     def __call__(self, gm: fx.GraphModule, example_inputs: Sequence[Any]):
         if not has_markers(gm):
             # Not sharded by graphshard: compile as the backend we hand off to does.
+            check_unsharded_model_trains_alone(example_inputs)
             if self.options.compiler == "eager":
                 return gm.forward
             return compat.inductor_compile(gm, example_inputs)

@@ -15,11 +15,35 @@ from graphshard.passes.graph_utils import all_nodes, is_unshard
 from graphshard.passes.markers import UnshardSpec
 
 
+def _unsharded_trainable_shapes(example_inputs: Sequence[Any]) -> list[tuple[int, ...]]:
+    return [tuple(x.shape) for x in example_inputs
+            if isinstance(x, torch.nn.Parameter) and x.requires_grad and not isinstance(x, DTensor)]
+
+
+def check_unsharded_model_trains_alone(example_inputs: Sequence[Any]) -> None:
+    # A graph without graphshard's markers compiles as plain Inductor. In a job of several
+    # ranks, trainable parameters that shard() never saw (shard() forgotten) get no gradient
+    # reduction: each rank would train its own copy, and the copies drift apart unnoticed.
+    import torch.distributed as dist
+
+    if not (torch.is_grad_enabled() and dist.is_available() and dist.is_initialized()):
+        return
+    world_size = dist.get_world_size()
+    plain = _unsharded_trainable_shapes(example_inputs)
+    if world_size > 1 and plain:
+        raise ValueError(
+            f"torch.compile(backend='graphshard') got a model whose {len(plain)} trainable "
+            f"parameter(s) (shapes {plain[:4]}) graphshard.shard has not sharded, in a job of "
+            f"{world_size} ranks: each rank would train its own copy, never averaging gradients "
+            "with the others. Call graphshard.shard(model) before torch.compile; or freeze "
+            "those parameters; or, if each rank is meant to train a model of its own, compile "
+            "with backend='inductor'.")
+
+
 def check_all_parameters_sharded(example_inputs: Sequence[Any]) -> None:
     # A parameter added after shard() (an adapter, a re-assigned weight) would get no gradient
     # reduction at all: each rank would silently train its own copy.
-    plain = [tuple(x.shape) for x in example_inputs
-             if isinstance(x, torch.nn.Parameter) and x.requires_grad and not isinstance(x, DTensor)]
+    plain = _unsharded_trainable_shapes(example_inputs)
     if plain:
         raise ValueError(
             f"{len(plain)} trainable parameter(s) of shapes {plain[:4]} are not sharded (added or "
