@@ -67,7 +67,9 @@ def check_tensor_parallel(model: nn.Module, tp: int,
         raise ValueError(
             f"graphshard.parallelize: {type(model).__name__} has no tensor-parallel plan (no "
             "Hugging Face base_model_tp_plan, no tp_plan attribute): pass plan={'module.name': "
-            "'colwise' | 'rowwise' | ColwiseParallel() | ..., ...}")
+            "'colwise' | 'rowwise' | ColwiseParallel() | ..., ...}; or, on a model of your "
+            "own, set that dict as its tp_plan attribute (what `graphshard dump --tp` and "
+            "`graphshard plan` read)")
     _check_heads_divide(model, tp)
     return plan
 
