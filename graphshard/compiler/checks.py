@@ -36,8 +36,8 @@ def check_unsharded_model_trains_alone(example_inputs: Sequence[Any]) -> None:
             f"parameter(s) (shapes {plain[:4]}) graphshard.shard has not sharded, in a job of "
             f"{world_size} ranks: each rank would train its own copy, never averaging gradients "
             "with the others. Call graphshard.shard(model) before torch.compile; or freeze "
-            "those parameters; or, if each rank is meant to train a model of its own, compile "
-            "with backend='inductor'.")
+            "those parameters; or, if each rank is meant to train a model of its own (or DDP "
+            "wraps it), compile with backend='inductor'.")
 
 
 def check_all_parameters_sharded(example_inputs: Sequence[Any]) -> None:
