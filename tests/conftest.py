@@ -3,7 +3,7 @@ import os
 import pytest
 import torch.distributed as dist
 
-# A private Inductor cache per test session keeps runs independent of the machine's cache.
+# The suite compiles into its own Inductor cache (.cache/inductor), not the machine's.
 os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", os.path.join(os.path.dirname(__file__), "..", ".cache", "inductor"))
 
 

@@ -7,6 +7,7 @@ import re
 from typing import Any, Sequence
 
 import torch
+import torch.distributed as dist
 import torch.fx as fx
 from torch.distributed.tensor import DTensor
 
@@ -24,9 +25,7 @@ def check_unsharded_model_trains_alone(example_inputs: Sequence[Any]) -> None:
     # A graph without graphshard's markers compiles as plain Inductor. In a job of several
     # ranks, trainable parameters that shard() never saw (shard() forgotten) get no gradient
     # reduction: each rank would train its own copy, and the copies drift apart unnoticed.
-    import torch.distributed as dist
-
-    if not (torch.is_grad_enabled() and dist.is_available() and dist.is_initialized()):
+    if not (torch.is_grad_enabled() and dist.is_initialized()):
         return
     world_size = dist.get_world_size()
     plain = _unsharded_trainable_shapes(example_inputs)
